@@ -1,0 +1,29 @@
+# Set-up commands from the README. Both build .venv on a machine with only Python 3 and make.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The CPU build of torch 2.13.0 is pinned here (not in the library's requirements, which say torch>=2.2).
+TORCH  := torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: test demo bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e ".[test]" "$(TORCH)"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+demo: $(STAMP)
+	$(PY) examples/quickstart.py
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_core.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
