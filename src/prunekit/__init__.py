@@ -1,0 +1,90 @@
+"""prunekit: neural-network pruning for PyTorch.
+
+``import prunekit as prune`` replaces ``import torch.nn.utils.prune as prune``:
+same names, signatures and semantics, with the faults of the original fixed
+(see the README). Training-aware pruners, compaction and sparse inference
+live in submodules and are re-exported here lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+from .base import BasePruningMethod
+from .container import PruningContainer
+from .errors import PruningError
+from .global_ import global_unstructured
+from .kernels.amount import (
+    compute_nparams_to_prune,
+    validate_pruning_amount,
+    validate_pruning_amount_init,
+)
+from .methods import (
+    CustomFromMask,
+    Identity,
+    L1Unstructured,
+    LnStructured,
+    RandomStructured,
+    RandomUnstructured,
+    custom_from_mask,
+    identity,
+    l1_unstructured,
+    ln_structured,
+    random_structured,
+    random_unstructured,
+    remove,
+)
+from .reparam import base_class, is_pruned, iter_pruned
+from .state_dict import dense_state_dict, load_state_dict
+
+# torch's private spellings, so code written against torch ports by changing one import
+_validate_pruning_amount_init = validate_pruning_amount_init
+_validate_pruning_amount = validate_pruning_amount
+_compute_nparams_toprune = compute_nparams_to_prune
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+__version__ = "0.1.0"
+
+# name -> submodule, imported on first use so that `import prunekit` needs torch only
+_LAZY = {}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'prunekit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "BasePruningMethod",
+    "CustomFromMask",
+    "Identity",
+    "L1Unstructured",
+    "LnStructured",
+    "PruningContainer",
+    "PruningError",
+    "RandomStructured",
+    "RandomUnstructured",
+    "base_class",
+    "compute_nparams_to_prune",
+    "custom_from_mask",
+    "dense_state_dict",
+    "global_unstructured",
+    "identity",
+    "is_pruned",
+    "iter_pruned",
+    "l1_unstructured",
+    "ln_structured",
+    "load_state_dict",
+    "random_structured",
+    "random_unstructured",
+    "remove",
+    "validate_pruning_amount",
+    "validate_pruning_amount_init",
+] + sorted(_LAZY)

@@ -1,0 +1,246 @@
+"""``BasePruningMethod``: the contract every pruning method fulfils, and ``apply``.
+
+A method computes a mask (``compute_mask``); ``apply`` validates everything
+first, computes the new mask without touching the module, and only then
+installs it through :mod:`prunekit.reparam`. If anything fails, the module is
+restored exactly (parameters, buffers, hooks, class).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from . import reparam
+from .errors import PruningError
+
+__all__ = ["BasePruningMethod", "resolve_mask_dtype"]
+
+
+def resolve_mask_dtype(mask_dtype: Optional[torch.dtype], orig: Tensor, existing: Optional[Tensor]) -> torch.dtype:
+    """The dtype of the stored mask: explicit, else the existing mask's, else the weight's (as torch)."""
+    if mask_dtype is not None:
+        if not isinstance(mask_dtype, torch.dtype):
+            raise TypeError(f"mask_dtype must be a torch.dtype such as torch.bool, got {mask_dtype!r}")
+        return mask_dtype
+    if existing is not None:
+        return existing.dtype
+    return orig.dtype if (orig.is_floating_point() or orig.is_complex()) else torch.get_default_dtype()
+
+
+def lazy_ones(like: Tensor) -> Tensor:
+    """A mask of ones that takes no memory (an expanded scalar); built-in methods understand it."""
+    return torch.ones((), dtype=like.dtype, device=like.device).expand(like.shape)
+
+
+def is_lazy_ones(mask: Tensor) -> bool:
+    return mask.dim() > 0 and all(s == 0 for s in mask.stride())
+
+
+class BasePruningMethod(ABC):
+    """Abstract base class for the creation of new pruning techniques.
+
+    Subclasses set ``PRUNING_TYPE`` (``'unstructured'``, ``'structured'`` or
+    ``'global'``) and implement ``compute_mask(t, default_mask)``, exactly as
+    with ``torch.nn.utils.prune``.
+
+    Example:
+        >>> import torch, prunekit
+        >>> class KeepEven(prunekit.BasePruningMethod):
+        ...     PRUNING_TYPE = "unstructured"
+        ...     def compute_mask(self, t, default_mask):
+        ...         mask = default_mask.clone()
+        ...         mask.view(-1)[1::2] = 0
+        ...         return mask
+        >>> m = KeepEven.apply(torch.nn.Linear(2, 2), "weight")
+        >>> m.weight_mask.view(-1).tolist()
+        [1.0, 0.0, 1.0, 0.0]
+    """
+
+    PRUNING_TYPE: str = "unstructured"
+    _tensor_name: Optional[str] = None
+    _prunekit_method = True  # marks prunekit hooks in module._forward_pre_hooks
+    _lazy_default_ok = False  # built-in methods accept a zero-memory default mask of ones
+
+    def __call__(self, module: nn.Module, inputs: Any) -> None:
+        """Forward pre-hook. Nothing to do: ``module.<name>`` is a property that is always current.
+
+        The hook is kept so that code which looks for pruning methods among
+        ``module._forward_pre_hooks`` (as torch's code does) finds it.
+        """
+        return None
+
+    @abstractmethod
+    def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+        """Return the new mask for importance scores ``t``, on top of ``default_mask``."""
+
+    def apply_mask(self, module: nn.Module) -> Tensor:
+        """``name_orig * name_mask`` for the tensor this method prunes.
+
+        Example:
+            >>> import torch, prunekit
+            >>> m = prunekit.l1_unstructured(torch.nn.Linear(3, 2), "weight", amount=2)
+            >>> hook = next(iter(m._forward_pre_hooks.values()))
+            >>> torch.equal(hook.apply_mask(m), m.weight)
+            True
+        """
+        if self._tensor_name is None:
+            raise PruningError(f"Module {reparam.describe(module)} has to be pruned")
+        return reparam.masked_product(
+            getattr(module, self._tensor_name + "_orig"), getattr(module, self._tensor_name + "_mask")
+        )
+
+    def prune(self, t: Tensor, default_mask: Optional[Tensor] = None, importance_scores: Optional[Tensor] = None) -> Tensor:
+        """Return ``t`` with this method's mask applied (no module involved).
+
+        Example:
+            >>> import torch, prunekit
+            >>> prunekit.L1Unstructured(amount=1).prune(torch.tensor([3.0, -1.0, 2.0])).tolist()
+            [3.0, 0.0, 2.0]
+        """
+        if importance_scores is not None:
+            if importance_scores.shape != t.shape:
+                raise PruningError(
+                    f"importance_scores should have the same shape as tensor t, got "
+                    f"{tuple(importance_scores.shape)} vs {tuple(t.shape)}"
+                )
+        else:
+            importance_scores = t
+        default_mask = default_mask if default_mask is not None else torch.ones_like(t)
+        return t * self.compute_mask(importance_scores, default_mask=default_mask)
+
+    def remove(self, module: nn.Module) -> None:
+        """Make the pruning permanent and drop the reparameterization (see :func:`prunekit.remove`)."""
+        if self._tensor_name is None:
+            raise PruningError(f"Module {reparam.describe(module)} has to be pruned before pruning can be removed")
+        reparam.remove(module, self._tensor_name)
+
+    # ---------------------------------------------------------------- apply
+    @classmethod
+    def apply(
+        cls,
+        module: nn.Module,
+        name: str,
+        *args: Any,
+        importance_scores: Optional[Tensor] = None,
+        mask_dtype: Optional[torch.dtype] = None,
+        **kwargs: Any,
+    ) -> "BasePruningMethod":
+        """Prune ``module.<name>`` with this method and install the reparameterization.
+
+        ``mask_dtype`` (keyword, prunekit only) chooses the stored mask's
+        dtype: by default the weight's dtype (as torch), ``torch.bool`` for a
+        mask four times smaller than a float32 one.
+
+        Example:
+            >>> import torch, prunekit
+            >>> m = torch.nn.Linear(4, 2)
+            >>> method = prunekit.L1Unstructured.apply(m, "weight", amount=0.5, mask_dtype=torch.bool)
+            >>> m.weight_mask.dtype, int(m.weight_mask.sum())
+            (torch.bool, 4)
+        """
+        orig, pruned = reparam.check_prunable(module, name)
+        hook_key, old = reparam.find_hook(module, name) if pruned else (None, None)
+        try:
+            method = cls(*args, **kwargs)
+        except (ValueError, TypeError, IndexError) as e:
+            raise reparam.with_context(e, module, name) from None
+        method._tensor_name = name
+        existing = module._buffers[name + "_mask"] if pruned else None
+        try:
+            out_dtype = resolve_mask_dtype(mask_dtype, orig, existing)
+            with torch.no_grad():
+                mask = _compute(method, old, module, name, orig, existing, importance_scores)
+                mask = _as_stored_mask(mask, orig, out_dtype)
+        except (ValueError, TypeError, IndexError) as e:
+            raise reparam.with_context(e, module, name) from None
+
+        hook = _compose(old, method)
+        snapshot = reparam.Snapshot(module)
+        try:
+            reparam.install(module, name, mask, hook, hook_key)
+            if old is not None and hook is old:
+                old.add_pruning_method(method)
+        except BaseException:
+            snapshot.restore()
+            raise
+        method._release()
+        return hook
+
+    def _release(self) -> None:
+        """Drop tensors the method no longer needs once its mask is stored (none by default)."""
+
+    def _combine_fast(self, t: Tensor, mask: Tensor) -> Optional[Tensor]:
+        """Optional fast path for the container: new mask on top of ``mask``, or ``None``."""
+        return None
+
+
+def _compose(old: Optional[BasePruningMethod], method: BasePruningMethod) -> BasePruningMethod:
+    from .container import PruningContainer
+
+    if old is None:
+        return method
+    if isinstance(old, PruningContainer):
+        return old
+    container = PruningContainer(old)
+    container.add_pruning_method(method)
+    return container
+
+
+def _compute(
+    method: BasePruningMethod,
+    old: Optional[BasePruningMethod],
+    module: nn.Module,
+    name: str,
+    orig: Tensor,
+    existing: Optional[Tensor],
+    importance_scores: Optional[Tensor],
+) -> Tensor:
+    from .container import combine_masks
+
+    if importance_scores is not None:
+        if not isinstance(importance_scores, Tensor):
+            raise TypeError(
+                f"importance_scores must be a tensor shaped like the parameter, got {type(importance_scores).__name__}"
+            )
+        if importance_scores.shape != orig.shape:
+            raise PruningError(
+                f"importance_scores should have the same shape as parameter {name}: "
+                f"got {tuple(importance_scores.shape)} vs {tuple(orig.shape)}"
+            )
+    if existing is None:
+        scores = importance_scores if importance_scores is not None else orig.detach()
+        default = lazy_ones(orig) if method._lazy_default_ok else torch.ones_like(orig, memory_format=torch.contiguous_format)
+        return method.compute_mask(scores, default_mask=default)
+    float_dtype = orig.dtype if orig.is_floating_point() else torch.get_default_dtype()
+    default = existing.to(dtype=float_dtype, memory_format=torch.contiguous_format, copy=True)
+    if importance_scores is not None:
+        scores = importance_scores
+    elif method.PRUNING_TYPE == "unstructured":
+        # the container ranks only entries whose mask is 1, where orig == orig * mask
+        scores = orig.detach()
+    else:
+        scores = reparam.current_value(module, name)
+    return combine_masks(method, scores, default)
+
+
+def _as_stored_mask(mask: Tensor, orig: Tensor, dtype: torch.dtype) -> Tensor:
+    """The mask as it is stored: ``dtype``, the weight's memory format, its own memory."""
+    if not isinstance(mask, Tensor) or mask.shape != orig.shape:
+        shape = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+        raise PruningError(f"the computed mask has shape {shape}, expected {tuple(orig.shape)}")
+    if mask.device != orig.device:
+        mask = mask.to(orig.device)
+    fmt = torch.channels_last if (orig.dim() == 4 and orig.is_contiguous(memory_format=torch.channels_last)
+                                  and not orig.is_contiguous()) else torch.contiguous_format
+    if dtype == torch.bool and mask.dtype != torch.bool:
+        mask = mask != 0
+    if (mask.dtype == dtype and mask.is_contiguous(memory_format=fmt) and not is_lazy_ones(mask)
+            and mask.data_ptr() != orig.data_ptr()):
+        return mask
+    out = torch.empty_like(orig, dtype=dtype, memory_format=fmt)
+    out.copy_(mask)
+    return out

@@ -1,0 +1,401 @@
+"""The reparameterization ``name = name_orig * name_mask`` and the surgery around it.
+
+When a tensor ``name`` of a module is pruned:
+
+* the ``nn.Parameter`` moves, as the same object, to ``name_orig`` (optimizers
+  that hold it keep working);
+* the mask is registered as the buffer ``name_mask``;
+* the module's class becomes a per-(class, pruned names) subclass, with the
+  same ``__name__``/``__module__``, that serves ``module.name`` through a
+  property computing ``name_orig * name_mask``;
+* the pruning method is registered as a forward pre-hook, as in
+  ``torch.nn.utils.prune``, so code that looks for it there finds it.
+
+Serving ``name`` through a property rather than a hook-refreshed attribute is
+what fixes several faults of ``torch.nn.utils.prune`` at their root:
+
+* the value is always current, even when a parent reads it without calling
+  the module's ``forward`` (``nn.MultiheadAttention`` reads
+  ``out_proj.weight`` directly);
+* no derived, non-leaf tensor sits in ``module.__dict__``, so ``deepcopy``,
+  pickle and ``torch.save`` work in any state;
+* under ``no_grad`` (or for a frozen ``name_orig``) the product is cached and
+  reused until ``name_orig`` or ``name_mask`` change (identity, storage or
+  in-place version), so inference costs what a dense module costs. With
+  gradients on, every read builds a fresh product, so gradients reach
+  ``name_orig`` (zero where masked).
+"""
+
+from __future__ import annotations
+
+import difflib
+import weakref
+from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "base_class",
+    "describe",
+    "find_hook",
+    "is_pruned",
+    "iter_pruned",
+    "pruned_names",
+    "remove",
+]
+
+_CACHE = "_prunekit_cache"
+_CLASSES: Dict[Tuple[type, FrozenSet[str]], type] = {}
+
+
+# --------------------------------------------------------------------- naming
+def describe(module: Any, name: Optional[str] = None) -> str:
+    """A short label for error messages: ``Linear(in=64, out=32).weight [32, 64] float32``."""
+    label = base_class(module).__name__ if isinstance(module, nn.Module) else type(module).__name__
+    extra = getattr(module, "extra_repr", lambda: "")()
+    if extra and len(extra) < 60:
+        label += f"({extra})"
+    if name is None:
+        return label
+    label += f".{name}"
+    t = _current_tensor(module, name)
+    if isinstance(t, Tensor):
+        label += f" {list(t.shape)} {str(t.dtype).replace('torch.', '')}"
+    return label
+
+
+def _current_tensor(module: nn.Module, name: str) -> Optional[Tensor]:
+    params = getattr(module, "_parameters", {})
+    if name in params:
+        return params[name]
+    if name + "_orig" in params:
+        return params[name + "_orig"]
+    return getattr(module, "_buffers", {}).get(name)
+
+
+# ----------------------------------------------------------- the pruned class
+def base_class(module: nn.Module) -> type:
+    """The module's class as it was before pruning.
+
+    Example:
+        >>> import torch, prunekit
+        >>> m = prunekit.l1_unstructured(torch.nn.Linear(4, 2), "weight", 0.5)
+        >>> base_class(m) is torch.nn.Linear, isinstance(m, torch.nn.Linear)
+        (True, True)
+    """
+    cls = type(module)
+    return cls.__dict__.get("_prunekit_base", cls)
+
+
+def pruned_names(module: nn.Module) -> FrozenSet[str]:
+    """Names of the tensors of ``module`` that prunekit reparameterizes."""
+    return type(module).__dict__.get("_prunekit_names", frozenset())
+
+
+def _class_for(base: type, names: FrozenSet[str]) -> type:
+    if not names:
+        return base
+    key = (base, names)
+    cls = _CLASSES.get(key)
+    if cls is None:
+        namespace: Dict[str, Any] = {
+            "_prunekit_base": base,
+            "_prunekit_names": names,
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__doc__": base.__doc__,
+            "__reduce_ex__": _reduce_ex,
+        }
+        for name in names:
+            namespace[name] = _masked_property(name)
+        cls = type(base.__name__, (base,), namespace)
+        _CLASSES[key] = cls
+    return cls
+
+
+def _set_names(module: nn.Module, names: FrozenSet[str]) -> None:
+    module.__class__ = _class_for(base_class(module), names)
+
+
+def _reduce_ex(self: nn.Module, protocol: int):
+    # Pickle / deepcopy: rebuild from the original class, then restore the
+    # state. The inference cache is derived data and is not copied.
+    state = dict(self.__dict__)
+    state.pop(_CACHE, None)
+    return (_rebuild, (base_class(self), tuple(sorted(pruned_names(self)))), state)
+
+
+def _rebuild(base: type, names: Tuple[str, ...]) -> nn.Module:
+    obj = base.__new__(base)
+    obj.__class__ = _class_for(base, frozenset(names))
+    return obj
+
+
+# ------------------------------------------------------- the masked property
+class _CacheEntry:
+    __slots__ = ("orig", "orig_version", "orig_ptr", "mask", "mask_version", "mask_ptr", "value")
+
+    def __init__(self, orig: Tensor, mask: Tensor, value: Tensor) -> None:
+        self.orig, self.orig_version, self.orig_ptr = weakref.ref(orig), orig._version, orig.data_ptr()
+        self.mask, self.mask_version, self.mask_ptr = weakref.ref(mask), mask._version, mask.data_ptr()
+        self.value = value
+
+    def fresh(self, orig: Tensor, mask: Tensor) -> bool:
+        return (
+            self.orig() is orig
+            and self.mask() is mask
+            and orig._version == self.orig_version
+            and mask._version == self.mask_version
+            and orig.data_ptr() == self.orig_ptr
+            and mask.data_ptr() == self.mask_ptr
+        )
+
+
+def masked_product(orig: Tensor, mask: Tensor) -> Tensor:
+    """``orig * mask`` for float or boolean masks (gradient reaches ``orig``, zero where masked)."""
+    return orig * mask
+
+
+def _masked_value(module: nn.Module, name: str, orig: Tensor, mask: Tensor) -> Tensor:
+    if torch.is_grad_enabled() and (orig.requires_grad or mask.requires_grad):
+        return masked_product(orig, mask)
+    cache = module.__dict__.get(_CACHE)
+    if cache is None:
+        cache = module.__dict__[_CACHE] = {}
+    entry = cache.get(name)
+    if entry is not None and entry.fresh(orig, mask):
+        return entry.value
+    if torch.is_inference_mode_enabled():
+        # cache a normal tensor, usable outside inference mode too
+        with torch.inference_mode(False), torch.no_grad():
+            value = masked_product(orig, mask)
+    else:
+        with torch.no_grad():
+            value = masked_product(orig, mask)
+    cache[name] = _CacheEntry(orig, mask, value)
+    return value
+
+
+def _masked_property(name: str) -> property:
+    orig_key, mask_key = name + "_orig", name + "_mask"
+
+    def fget(self: nn.Module) -> Tensor:
+        return _masked_value(self, name, self._parameters[orig_key], self._buffers[mask_key])
+
+    def fset(self: nn.Module, value: Any) -> None:
+        raise AttributeError(
+            f"{describe(self, name)} is pruned: it is computed as {orig_key} * {mask_key}. "
+            f"Write into module.{orig_key} (e.g. `with torch.no_grad(): module.{orig_key}.copy_(value)`) "
+            f"or call prunekit.remove(module, {name!r}) first"
+        )
+
+    return property(fget, fset, doc=f"``{orig_key} * {mask_key}`` (pruned by prunekit)")
+
+
+def current_value(module: nn.Module, name: str) -> Tensor:
+    """The pruned tensor's value, computed without touching the cache (no grad)."""
+    with torch.no_grad():
+        return masked_product(module._parameters[name + "_orig"], module._buffers[name + "_mask"])
+
+
+def drop_cache(module: nn.Module, name: Optional[str] = None) -> None:
+    """Forget cached products (all, or of one tensor). Freed memory; they are rebuilt on demand."""
+    cache = module.__dict__.get(_CACHE)
+    if cache:
+        if name is None:
+            cache.clear()
+        else:
+            cache.pop(name, None)
+
+
+# ------------------------------------------------------------------- hooks
+def _is_method(hook: Any) -> bool:
+    return getattr(hook, "_prunekit_method", False)
+
+
+def find_hook(module: nn.Module, name: str) -> Tuple[Optional[int], Any]:
+    """The key in ``module._forward_pre_hooks`` and the pruning method for ``name`` (or ``(None, None)``)."""
+    for key, hook in module._forward_pre_hooks.items():
+        if _is_method(hook) and hook._tensor_name == name:
+            return key, hook
+    return None, None
+
+
+def _torch_pruned(module: nn.Module, name: str) -> bool:
+    from torch.nn.utils import prune as torch_prune
+
+    return any(
+        isinstance(h, torch_prune.BasePruningMethod) and getattr(h, "_tensor_name", None) == name
+        for h in module._forward_pre_hooks.values()
+    )
+
+
+def check_prunable(module: Any, name: Any) -> Tuple[Tensor, bool]:
+    """Validate ``(module, name)``; return the tensor (``name_orig`` once pruned) and whether it is pruned."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"expected an nn.Module to prune, got {type(module).__name__}; "
+            "pass the layer that owns the tensor, e.g. prunekit.l1_unstructured(model.fc, 'weight', 0.3)"
+        )
+    if not isinstance(name, str):
+        raise TypeError(f"{describe(module)}: the tensor name must be a str such as 'weight', got {name!r}")
+    if name in pruned_names(module):
+        return module._parameters[name + "_orig"], True
+    if _torch_pruned(module, name):
+        raise ValueError(
+            f"{describe(module)}.{name} is pruned by torch.nn.utils.prune; call "
+            f"torch.nn.utils.prune.remove(module, {name!r}) before pruning it with prunekit"
+        )
+    param = module._parameters.get(name)
+    if param is None:
+        if name in module._buffers:
+            raise TypeError(
+                f"{describe(module, name)} is a buffer, not a parameter; pruning reparameterizes "
+                f"parameters (as torch.nn.utils.prune does). Prune a parameter of the module, or register "
+                f"it with module.register_parameter({name!r}, nn.Parameter(tensor, requires_grad=False))"
+            )
+        params = [n for n, p in module._parameters.items() if p is not None] + sorted(pruned_names(module))
+        hint = difflib.get_close_matches(name, params, n=1)
+        raise ValueError(
+            f"{describe(module)} has no parameter {name!r}"
+            + (f"; did you mean {hint[0]!r}?" if hint else "")
+            + f" Its parameters are: {params or 'none'}"
+        )
+    for suffix in ("_orig", "_mask"):
+        if hasattr(module, name + suffix):
+            raise ValueError(
+                f"{describe(module, name)}: cannot reparameterize, the module already has an attribute "
+                f"{name + suffix!r}; rename it first"
+            )
+    return param, False
+
+
+# ---------------------------------------------------------- commit / rollback
+class Snapshot:
+    """Everything apply/remove may change on a module, to restore after a failure."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.cls = type(module)
+        self.params = dict(module._parameters)
+        self.buffers = dict(module._buffers)
+        self.non_persistent = set(module._non_persistent_buffers_set)
+        self.hooks = dict(module._forward_pre_hooks)
+        # containers grow in place: remember how many methods each held
+        self.container_sizes = {
+            k: len(h._pruning_methods) for k, h in self.hooks.items() if hasattr(h, "_pruning_methods")
+        }
+
+    def restore(self) -> None:
+        m = self.module
+        m.__class__ = self.cls
+        for target, saved in ((m._parameters, self.params), (m._buffers, self.buffers), (m._forward_pre_hooks, self.hooks)):
+            target.clear()
+            target.update(saved)
+        m._non_persistent_buffers_set.clear()
+        m._non_persistent_buffers_set.update(self.non_persistent)
+        for k, n in self.container_sizes.items():
+            self.hooks[k]._pruning_methods = self.hooks[k]._pruning_methods[:n]
+        drop_cache(m)
+
+
+def install(module: nn.Module, name: str, mask: Tensor, method: Any, hook_key: Optional[int]) -> None:
+    """Store ``mask`` for ``name`` and put ``method`` in the hook slot (new, or in place at ``hook_key``)."""
+    if name not in pruned_names(module):
+        orig = module._parameters[name]
+        module.register_parameter(name + "_orig", orig)
+        del module._parameters[name]
+        module.register_buffer(name + "_mask", mask)
+        _set_names(module, pruned_names(module) | {name})
+    else:
+        module._buffers[name + "_mask"] = mask
+    if hook_key is None:
+        module.register_forward_pre_hook(method)
+    else:
+        # replace the value in place: the hook keeps its position among the others
+        module._forward_pre_hooks[hook_key] = method
+    drop_cache(module, name)
+
+
+def remove(module: nn.Module, name: str) -> nn.Module:
+    """Make the pruning of ``name`` permanent and drop the reparameterization.
+
+    ``name`` becomes an ordinary parameter again: the same ``nn.Parameter``
+    object as ``name_orig``, with the mask multiplied in. ``name_orig``,
+    ``name_mask`` and the hook are removed.
+
+    Raises:
+        ValueError: ``name`` of ``module`` is not pruned.
+
+    Example:
+        >>> import torch, prunekit
+        >>> m = prunekit.random_unstructured(torch.nn.Linear(5, 7), name="weight", amount=0.2)
+        >>> m = prunekit.remove(m, name="weight")
+        >>> sorted(n for n, _ in m.named_parameters()), int((m.weight == 0).sum())
+        (['bias', 'weight'], 7)
+    """
+    key, method = find_hook(module, name) if isinstance(module, nn.Module) else (None, None)
+    if method is None or name not in pruned_names(module):
+        raise ValueError(
+            f"Parameter '{name}' of module {describe(module) if isinstance(module, nn.Module) else module!r} "
+            "has to be pruned before pruning can be removed"
+        )
+    orig = module._parameters[name + "_orig"]
+    mask = module._buffers[name + "_mask"]
+    with torch.no_grad():
+        if mask.dtype == torch.bool:
+            orig.masked_fill_(~mask, 0)
+        else:
+            orig.mul_(mask)
+    del module._forward_pre_hooks[key]
+    _set_names(module, pruned_names(module) - {name})
+    del module._parameters[name + "_orig"]
+    del module._buffers[name + "_mask"]
+    module._non_persistent_buffers_set.discard(name + "_mask")
+    drop_cache(module, name)
+    module.register_parameter(name, orig)
+    return module
+
+
+def iter_pruned(module: nn.Module) -> Iterator[Tuple[str, nn.Module, str]]:
+    """``(qualified module name, module, tensor name)`` for every tensor prunekit prunes in ``module``."""
+    for qual, sub in module.named_modules():
+        for key, hook in sub._forward_pre_hooks.items():
+            if _is_method(hook):
+                yield qual, sub, hook._tensor_name
+
+
+def is_pruned(module: nn.Module) -> bool:
+    """Whether ``module`` or any submodule carries a pruning hook (prunekit's or torch's).
+
+    Example:
+        >>> import torch, prunekit
+        >>> m = torch.nn.Linear(5, 7)
+        >>> prunekit.is_pruned(m)
+        False
+        >>> _ = prunekit.random_unstructured(m, name="weight", amount=0.2)
+        >>> prunekit.is_pruned(m)
+        True
+    """
+    from torch.nn.utils import prune as torch_prune
+
+    for sub in module.modules():
+        for hook in sub._forward_pre_hooks.values():
+            if _is_method(hook) or isinstance(hook, torch_prune.BasePruningMethod):
+                return True
+    return False
+
+
+def with_context(err: BaseException, module: nn.Module, name: Optional[str]) -> BaseException:
+    """The same exception type with the module and tensor named in front of the message."""
+    where = describe(module, name)
+    msg = str(err)
+    if msg.startswith(where.split(" ")[0]):
+        return err
+    try:
+        new = type(err)(f"{where}: {msg}")
+    except Exception:  # exotic exception type: keep it as it is
+        return err
+    new.__cause__ = err.__cause__
+    return new

@@ -1,0 +1,112 @@
+"""Moving state dicts between pruned and dense models.
+
+A pruned model's state dict holds ``x_orig`` and ``x_mask`` where a dense
+model has ``x``. ``torch.nn.Module.load_state_dict`` refuses either direction.
+:func:`dense_state_dict` bakes the masks in (pruned -> dense); 
+:func:`load_state_dict` loads any of the four combinations into a model.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Dict, Mapping, Union
+
+import torch
+from torch import Tensor, nn
+
+from . import reparam
+from .base import BasePruningMethod
+
+__all__ = ["dense_state_dict", "load_state_dict"]
+
+
+def dense_state_dict(source: Union[nn.Module, Mapping[str, Tensor]]) -> "OrderedDict[str, Tensor]":
+    """A state dict in which every ``x_orig``/``x_mask`` pair is replaced by ``x = x_orig * x_mask``.
+
+    Works on a model (pruned or not) or on a state dict; the result loads into
+    the dense model with plain ``load_state_dict``.
+
+    Example:
+        >>> import torch, prunekit
+        >>> m = prunekit.l1_unstructured(torch.nn.Linear(4, 2), "weight", amount=3)
+        >>> sd = prunekit.dense_state_dict(m)
+        >>> sorted(sd), int((sd["weight"] == 0).sum())
+        (['bias', 'weight'], 3)
+        >>> torch.nn.Linear(4, 2).load_state_dict(sd)
+        <All keys matched successfully>
+    """
+    sd = source.state_dict() if isinstance(source, nn.Module) else source
+    if not isinstance(sd, Mapping):
+        raise TypeError(f"dense_state_dict() takes a module or a state dict, got {type(source).__name__}")
+    out: "OrderedDict[str, Tensor]" = OrderedDict()
+    for key, value in sd.items():
+        if key.endswith("_orig") and key[:-5] + "_mask" in sd:
+            base = key[:-5]
+            mask = sd[base + "_mask"]
+            with torch.no_grad():
+                out[base] = value * mask.to(value.dtype) if mask.dtype != torch.bool else value.masked_fill(~mask, 0)
+        elif key.endswith("_mask") and key[:-5] + "_orig" in sd:
+            continue
+        else:
+            out[key] = value
+    return out
+
+
+def load_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], strict: bool = True) -> Any:
+    """Load ``state_dict`` into ``model`` whether either side is pruned or dense.
+
+    * pruned state dict (``x_orig``/``x_mask``) into a dense model: the model's
+      ``x`` is pruned with the saved mask (via ``custom_from_mask``) and loaded,
+      so it comes back in the saved state, ready to keep training;
+    * dense state dict (``x``) into a pruned model: ``x`` is loaded into
+      ``x_orig`` and the model's mask is kept;
+    * same form on both sides: a plain ``load_state_dict``.
+
+    On failure the model is left as it was. Returns what
+    ``nn.Module.load_state_dict`` returns.
+
+    Example:
+        >>> import torch, prunekit
+        >>> src = prunekit.l1_unstructured(torch.nn.Linear(4, 2), "weight", amount=3)
+        >>> dst = torch.nn.Linear(4, 2)
+        >>> _ = prunekit.load_state_dict(dst, src.state_dict())
+        >>> prunekit.is_pruned(dst), torch.equal(dst.weight, src.weight)
+        (True, True)
+    """
+    from .methods import custom_from_mask
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"load_state_dict() needs an nn.Module, got {type(model).__name__}")
+    sd: Dict[str, Tensor] = dict(state_dict)
+    modules = dict(model.named_modules())
+    snapshots = []
+    try:
+        for key in list(sd):
+            if not (key.endswith("_orig") and key[:-5] + "_mask" in sd):
+                continue
+            prefix, _, name = key[:-5].rpartition(".")
+            module = modules.get(prefix)
+            if module is None or name in reparam.pruned_names(module):
+                continue
+            if name in module._parameters:
+                snapshots.append(reparam.Snapshot(module))
+                mask = sd[key[:-5] + "_mask"]
+                custom_from_mask(module, name, mask, mask_dtype=mask.dtype)
+        for qual, module in modules.items():
+            for name in reparam.pruned_names(module):
+                full = f"{qual}.{name}" if qual else name
+                if full in sd and full + "_orig" not in sd:
+                    sd[full + "_orig"] = sd.pop(full)
+                    sd.setdefault(full + "_mask", module._buffers[name + "_mask"])
+        return model.load_state_dict(sd, strict=strict)
+    except RuntimeError as e:
+        for snap in reversed(snapshots):
+            snap.restore()
+        raise RuntimeError(
+            f"{e}\nprunekit.load_state_dict: keys are matched after translating x <-> x_orig/x_mask; the keys "
+            "above still differ between the checkpoint and the model (a different architecture?)"
+        ) from None
+    except BaseException:
+        for snap in reversed(snapshots):
+            snap.restore()
+        raise
