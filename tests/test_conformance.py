@@ -1,0 +1,208 @@
+"""prunekit against torch.nn.utils.prune as the oracle, on randomized inputs."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.utils.prune as tprune
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import prunekit as prune
+
+SETTINGS = settings(max_examples=40, deadline=None)
+
+
+def distinct_weights(shape, seed):
+    """Values with distinct magnitudes (no ties), random signs and order."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.tensor(shape).prod())
+    mags = (torch.randperm(n, generator=g).float() + 1) / n
+    signs = torch.randint(0, 2, (n,), generator=g).float() * 2 - 1
+    return (mags * signs).view(shape)
+
+
+def twin_linears(shape, seed):
+    a = nn.Linear(shape[1], shape[0]) if len(shape) == 2 else nn.Conv2d(shape[1], shape[0], shape[2:])
+    with torch.no_grad():
+        a.weight.copy_(distinct_weights(shape, seed))
+    return a, copy.deepcopy(a)
+
+
+shapes = st.sampled_from([(6, 5), (16, 9), (1, 7), (8, 3, 3, 3), (4, 2, 1, 5)])
+amounts = st.one_of(st.floats(0.0, 1.0), st.integers(0, 6))
+
+
+def call(lib, method, module, amount, n, dim, scores=None, seed=0):
+    if method == "l1":
+        return lib.l1_unstructured(module, "weight", amount, importance_scores=scores)
+    if method == "random_u":
+        torch.manual_seed(seed)
+        return lib.random_unstructured(module, "weight", amount)
+    if method == "ln":
+        return lib.ln_structured(module, "weight", amount, n=n, dim=dim, importance_scores=scores)
+    if method == "random_s":
+        torch.manual_seed(seed)
+        return lib.random_structured(module, "weight", amount, dim=dim)
+    if method == "identity":
+        return lib.identity(module, "weight")
+    raise AssertionError(method)
+
+
+def assert_same(a, b):
+    assert torch.equal(a.weight_mask, b.weight_mask)
+    assert torch.equal(a.weight, b.weight)
+    assert a.weight_mask.dtype == b.weight_mask.dtype
+    assert torch.equal(a.weight_orig, b.weight_orig)
+
+
+def safe_amount(amount, units):
+    return amount if isinstance(amount, float) else min(amount, units)
+
+
+@SETTINGS
+@given(shape=shapes, seed=st.integers(0, 10_000),
+       chain=st.lists(st.tuples(st.sampled_from(["l1", "random_u", "ln", "random_s", "identity"]), amounts,
+                                st.sampled_from([1, 2, float("inf"), -float("inf")]), st.integers(-2, 1)),
+                      min_size=1, max_size=4))
+def test_chains_equal_torch(shape, seed, chain):
+    ours, theirs = twin_linears(shape, seed)
+    for i, (method, amount, n, dim) in enumerate(chain):
+        dim = dim % len(shape) if len(shape) >= 2 else dim
+        if method in ("l1", "random_u"):
+            remaining = int(ours.weight_mask.sum()) if prune.is_pruned(ours) else ours.weight.numel()
+            amount = safe_amount(amount, remaining)
+        else:
+            amount = safe_amount(amount, shape[dim])
+        try:
+            call(tprune, method, theirs, amount, n, dim, seed=seed + i)
+        except (ValueError, IndexError, RuntimeError):
+            # torch refuses (e.g. int amount above the channels still unpruned): so must we
+            with pytest.raises((ValueError, IndexError)):
+                call(prune, method, ours, amount, n, dim, seed=seed + i)
+            return
+        call(prune, method, ours, amount, n, dim, seed=seed + i)
+        assert_same(ours, theirs)
+
+
+@SETTINGS
+@given(shape=shapes, seed=st.integers(0, 10_000), amount=amounts,
+       method=st.sampled_from(["l1", "ln"]), n=st.sampled_from([1, 2, 3, float("inf")]))
+def test_importance_scores_equal_torch(shape, seed, amount, method, n):
+    ours, theirs = twin_linears(shape, seed)
+    scores = distinct_weights(shape, seed + 1)
+    units = shape[0] if method == "ln" else ours.weight.numel()
+    amount = safe_amount(amount, units)
+    call(tprune, method, theirs, amount, n, 0, scores=scores)
+    call(prune, method, ours, amount, n, 0, scores=scores)
+    assert_same(ours, theirs)
+    # a second round on top, scored by the pruned weights
+    call(tprune, "l1", theirs, 0.5, n, 0)
+    call(prune, "l1", ours, 0.5, n, 0)
+    assert_same(ours, theirs)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 10_000), amount=st.one_of(st.floats(0.0, 1.0), st.integers(0, 60)),
+       rounds=st.integers(1, 3), method=st.sampled_from(["l1", "random"]), use_scores=st.booleans())
+def test_global_equal_torch(seed, amount, rounds, method, use_scores):
+    def net():
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(7, 5), nn.ReLU(), nn.Conv1d(5, 4, 3), nn.Linear(3, 2))
+        with torch.no_grad():
+            flat = distinct_weights((sum(p.numel() for p in model.parameters()),), seed)
+            torch.nn.utils.vector_to_parameters(flat, model.parameters())
+        return model
+
+    a, b = net(), net()
+    pa = [(a[0], "weight"), (a[2], "weight"), (a[3], "weight"), (a[0], "bias")]
+    pb = [(b[0], "weight"), (b[2], "weight"), (b[3], "weight"), (b[0], "bias")]
+    cls_a = prune.L1Unstructured if method == "l1" else prune.RandomUnstructured
+    cls_b = tprune.L1Unstructured if method == "l1" else tprune.RandomUnstructured
+    for r in range(rounds):
+        sa = sb = None
+        if use_scores:
+            # distinct across all tensors, so the global ranking has no ties
+            pool = distinct_weights((sum(getattr(m, n).numel() for m, n in pa),), seed + r).split(
+                [getattr(m, n).numel() for m, n in pa])
+            sa = {(m, n): p.view(getattr(m, n).shape) for (m, n), p in zip(pa, pool)}
+            sb = {(mb, n): sa[(ma, n)] for (ma, n), (mb, _) in zip(pa, pb)}
+        torch.manual_seed(seed + r)
+        try:
+            tprune.global_unstructured(pb, cls_b, importance_scores=sb, amount=amount)
+        except ValueError:
+            with pytest.raises(ValueError):
+                prune.global_unstructured(pa, cls_a, importance_scores=sa, amount=amount)
+            return
+        torch.manual_seed(seed + r)
+        prune.global_unstructured(pa, cls_a, importance_scores=sa, amount=amount)
+        for (ma, n), (mb, _) in zip(pa, pb):
+            assert torch.equal(getattr(ma, n + "_mask"), getattr(mb, n + "_mask"))
+            assert torch.equal(getattr(ma, n), getattr(mb, n))
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 3000), k_frac=st.floats(0, 1), levels=st.integers(1, 5), seed=st.integers(0, 999))
+def test_ties_prune_exact_count(n, k_frac, levels, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(0, levels, (n,), generator=g).float() - levels // 2  # heavy ties, both signs
+    m = nn.Linear(n, 1)
+    with torch.no_grad():
+        m.weight.copy_(w.view(1, n))
+    k = round(k_frac * n)
+    prune.l1_unstructured(m, "weight", amount=k)
+    mask = m.weight_mask.view(-1)
+    assert int((mask == 0).sum()) == k
+    # everything pruned is no larger than anything kept
+    if 0 < k < n:
+        assert w.abs()[mask == 0].max() <= w.abs()[mask == 1].min()
+
+
+def test_large_tensor_uses_histogram_path_and_matches_torch():
+    # > 65536 entries: the radix/histogram selection path
+    a, b = twin_linears((300, 400), seed=3)
+    prune.l1_unstructured(a, "weight", 0.37)
+    tprune.l1_unstructured(b, "weight", 0.37)
+    assert_same(a, b)
+    prune.l1_unstructured(a, "weight", 0.5)
+    tprune.l1_unstructured(b, "weight", 0.5)
+    assert_same(a, b)
+
+
+def test_float_amount_rounds_half_to_even_like_torch():
+    for size, amount in [(10, 0.25), (10, 0.35), (6, 0.25), (2, 0.25)]:
+        assert prune.compute_nparams_to_prune(amount, size) == tprune._compute_nparams_toprune(amount, size)
+    assert prune._compute_nparams_toprune is prune.compute_nparams_to_prune
+    assert prune._validate_pruning_amount_init is prune.validate_pruning_amount_init
+    assert prune._validate_pruning_amount is prune.validate_pruning_amount
+
+
+def test_custom_from_mask_and_container_history_like_torch():
+    a, b = twin_linears((4, 3), seed=1)
+    mask = torch.tensor([[1, 0, 1], [0, 1, 1], [1, 1, 1], [0, 0, 1]])
+    prune.custom_from_mask(a, "weight", mask)
+    tprune.custom_from_mask(b, "weight", mask)
+    assert_same(a, b)
+    prune.l1_unstructured(a, "weight", 2)
+    tprune.l1_unstructured(b, "weight", 2)
+    assert_same(a, b)
+    hook = next(iter(a._forward_pre_hooks.values()))
+    assert isinstance(hook, prune.PruningContainer)
+    assert [type(h).__name__ for h in hook] == ["CustomFromMask", "L1Unstructured"]
+    assert len(hook) == 2 and hook[1]._tensor_name == "weight"
+
+
+def test_remove_like_torch():
+    a, b = twin_linears((5, 4), seed=2)
+    prune.l1_unstructured(a, "weight", 0.5)
+    tprune.l1_unstructured(b, "weight", 0.5)
+    param = a.weight_orig
+    prune.remove(a, "weight")
+    tprune.remove(b, "weight")
+    assert a.weight is param  # the same Parameter object, optimizers keep working
+    assert torch.equal(a.weight, b.weight)
+    assert set(dict(a.named_parameters())) == set(dict(b.named_parameters()))
+    assert list(a.named_buffers()) == [] and not prune.is_pruned(a)
+    with pytest.raises(ValueError, match="has to be pruned"):
+        prune.remove(a, "weight")
