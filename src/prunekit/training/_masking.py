@@ -1,0 +1,79 @@
+"""The bridge to prunekit's reparameterization: masks live in ``name_mask`` buffers.
+
+A trainer applies ``custom_from_mask`` once per tensor and afterwards only
+updates the mask buffer in place, so ``is_pruned``, ``remove`` and the state
+dict of the model always see the current masks.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["is_reparametrized", "ensure_mask", "get_orig", "get_mask", "effective_weight", "clear_optimizer_state"]
+
+
+def _custom_from_mask():
+    try:
+        from prunekit import custom_from_mask  # the core pruning API
+    except ImportError:  # pragma: no cover - only while the core is being written
+        from torch.nn.utils.prune import custom_from_mask
+    return custom_from_mask
+
+
+def is_reparametrized(module: nn.Module, name: str = "weight") -> bool:
+    """True when ``module`` already carries ``name_orig`` and ``name_mask``."""
+    return hasattr(module, name + "_orig") and hasattr(module, name + "_mask")
+
+
+def get_orig(module: nn.Module, name: str = "weight") -> nn.Parameter:
+    return getattr(module, name + "_orig")
+
+
+def get_mask(module: nn.Module, name: str = "weight") -> Tensor:
+    return getattr(module, name + "_mask")
+
+
+def raw_weight(module: nn.Module, name: str = "weight") -> Tensor:
+    """The dense tensor before masking (``name_orig`` if pruned, else ``name``)."""
+    if is_reparametrized(module, name):
+        return get_orig(module, name)
+    return getattr(module, name)
+
+
+def ensure_mask(module: nn.Module, name: str = "weight", init: Optional[Tensor] = None) -> Tensor:
+    """The module's mask buffer, creating it (all ones, or ``init``) through ``custom_from_mask``."""
+    if is_reparametrized(module, name):
+        return get_mask(module, name)
+    w = getattr(module, name)
+    mask = torch.ones_like(w) if init is None else init.to(device=w.device, dtype=w.dtype)
+    _custom_from_mask()(module, name, mask=mask)
+    return get_mask(module, name)
+
+
+def effective_weight(module: nn.Module, name: str = "weight") -> Tensor:
+    """``name_orig * name_mask`` detached (the weight the forward pass uses)."""
+    orig = get_orig(module, name).detach()
+    mask = get_mask(module, name)
+    return orig * (mask if mask.dtype == orig.dtype else mask.to(orig.dtype))
+
+
+def clear_optimizer_state(optimizers: Iterable[torch.optim.Optimizer], param: Tensor, keep: Tensor) -> int:
+    """Zero every per-entry optimizer state tensor of ``param`` where ``keep`` is 0.
+
+    Momentum buffers, Adam's moments and any other state with the parameter's
+    shape are cleared at pruned entries; scalars (``step``) are left alone.
+    Returns the number of state tensors touched.
+    """
+    touched = 0
+    for opt in optimizers:
+        state = opt.state.get(param)
+        if not state:
+            continue
+        for value in state.values():
+            if torch.is_tensor(value) and value.shape == param.shape:
+                value.mul_(keep.to(value.dtype))
+                touched += 1
+    return touched

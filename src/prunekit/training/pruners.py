@@ -1,0 +1,509 @@
+"""Pruners: a criterion, a pattern and a schedule driving a group of layers.
+
+The surface follows the one Intel Neural Compressor documented for its PyTorch
+pruner -- ``register_pruners``, ``get_pruner(modules, config)``,
+``Pruner(modules, config)`` and its callbacks -- built on prunekit's one mask
+machinery: each layer's mask is its ``weight_mask`` buffer.
+
+Order of events in one training step (what :class:`~prunekit.training.PruningCallbacks`
+and the optimizer hooks call)::
+
+    on_step_begin(local_step)
+    loss.backward()
+    on_before_optimizer_step()   # gradient criteria are scored here, before the weights move;
+                                 # gradients at pruned entries are zeroed
+    optimizer.step()
+    on_after_optimizer_step()    # pruned entries of name_orig are kept at exactly zero
+    on_step_end()                # at an update step the masks move to the scheduled sparsity;
+                                 # global_step += 1
+
+So after ``on_step_end`` of step ``end_step`` the layers are at the target
+sparsity exactly. When a mask changes, the newly pruned entries of
+``weight_orig`` are set to zero and the optimizer state at those entries
+(momentum, Adam's moments, ...) is cleared: a pruned weight receives no
+further update, even with weight decay. Masks only ever lose ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from . import _masking as mk
+from .allocation import check_feasible, global_counts, local_counts
+from .config import PrunerConfig
+from .criteria import Criterion, get_criterion
+from .patterns import Pattern, get_pattern, select_lowest
+from .registry import PRUNERS, get_pruner_class, register_pruners
+from .schedules import Scheduler, get_scheduler
+
+__all__ = [
+    "Pruner",
+    "MagnitudePruner",
+    "SnipPruner",
+    "SnipMomentumPruner",
+    "GradientPruner",
+    "PatternLockPruner",
+    "get_pruner",
+    "select_modules",
+    "register_pruners",
+    "PRUNERS",
+]
+
+logger = logging.getLogger(__name__)
+
+_INF = float("inf")
+
+
+def _as_config(config: Any) -> PrunerConfig:
+    if isinstance(config, PrunerConfig):
+        return config
+    if isinstance(config, Mapping):
+        return PrunerConfig.from_dict(config)
+    raise TypeError(f"config={config!r} ({type(config).__name__}): pass a PrunerConfig or a dict of pruner keys")
+
+
+def _class_names(module: nn.Module) -> List[str]:
+    return [c.__name__ for c in type(module).__mro__]
+
+
+def select_modules(model: nn.Module, config: Union[PrunerConfig, Mapping[str, Any]], name: str = "weight") -> Dict[str, nn.Module]:
+    """The modules of ``model`` that ``config`` selects, by qualified name.
+
+    A module is selected when its class (or a base class) is named in
+    ``prune_layer_type``, it has a ``weight``, its name matches one of
+    ``names`` (``re.search``; all names when empty) and none of
+    ``excluded_names``/``extra_excluded_names``.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> from prunekit.training import select_modules
+        >>> m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        >>> list(select_modules(m, {"prune_type": "magnitude", "excluded_names": ["^2$"]}))
+        ['0']
+    """
+    cfg = _as_config(config)
+    types = set(cfg.layer_type_names)
+    inc = [re.compile(p) for p in cfg.names]
+    exc = [re.compile(p) for p in cfg.all_excluded_names]
+    out: Dict[str, nn.Module] = {}
+    for qname, module in model.named_modules():
+        if not types.intersection(_class_names(module)):
+            continue
+        if not (mk.is_reparametrized(module, name) or isinstance(getattr(module, name, None), torch.Tensor)):
+            continue
+        if inc and not any(p.search(qname) for p in inc):
+            continue
+        if any(p.search(qname) for p in exc):
+            continue
+        out[qname] = module
+    return out
+
+
+class Pruner:
+    """Base pruner: prunes ``modules`` (``{name: module}``) as ``config`` says.
+
+    Attributes (the documented surface): ``modules``, ``config``, ``masks``
+    (``{name: the module's weight_mask buffer}``), ``scores``, ``pattern``,
+    ``scheduler``, ``current_sparsity_ratio`` (the scheduled sparsity of the
+    last update), ``global_step``, ``start_step``, ``end_step``,
+    ``update_frequency_on_step``, ``target_sparsity_ratio``,
+    ``max_sparsity_ratio_per_layer`` (and ``min_sparsity_ratio_per_layer``).
+    ``skipped`` maps each layer whose shape does not fit the pattern to the
+    reason; those layers are left untouched.
+
+    Subclasses set ``criterion_name`` (``"magnitude"``, ``"snip"``,
+    ``"snip_momentum"``, ``"gradient"``) or override :meth:`layer_scores`.
+
+    Example:
+        >>> import torch, torch.nn as nn
+        >>> from prunekit.training import MagnitudePruner
+        >>> _ = torch.manual_seed(0); fc = nn.Linear(8, 4)
+        >>> p = MagnitudePruner({"fc": fc}, {"prune_type": "magnitude", "pattern": "1x1", "target_sparsity": 0.5})
+        >>> p.on_step_begin(0); p.on_step_end()        # one-shot at step 0
+        >>> int((fc.weight == 0).sum())
+        16
+    """
+
+    criterion_name = "magnitude"
+    weight_name = "weight"
+
+    def __init__(self, modules: Union[Mapping[str, nn.Module], nn.Module], config: Union[PrunerConfig, Mapping[str, Any]]) -> None:
+        self.config: PrunerConfig = _as_config(config)
+        if isinstance(modules, nn.Module):
+            modules = select_modules(modules, self.config, self.weight_name)
+        if not isinstance(modules, Mapping):
+            raise TypeError(f"modules={modules!r}: pass a dict {{name: module}} or a model (nn.Module)")
+        self.pattern: Pattern = get_pattern(self.config.pattern)
+        self.skipped: Dict[str, str] = {}
+        fitting: Dict[str, nn.Module] = {}
+        for name, module in modules.items():
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"modules[{name!r}]={module!r} is not an nn.Module")
+            w = mk.raw_weight(module, self.weight_name) if hasattr(module, self.weight_name) or mk.is_reparametrized(module, self.weight_name) else None
+            if not isinstance(w, torch.Tensor):
+                raise ValueError(f"module {name!r} ({type(module).__name__}) has no tensor {self.weight_name!r} to prune")
+            reason = self.pattern.check(tuple(w.shape))
+            if reason is not None:
+                self.skipped[name] = reason
+                logger.warning("skipping %r (weight %s): pattern %r does not fit: %s", name, tuple(w.shape), self.pattern.name, reason)
+                continue
+            fitting[name] = module
+        self.modules: Dict[str, nn.Module] = fitting
+        self.start_step = self.config.start_step
+        self.end_step = self.config.end_step
+        self.update_frequency_on_step = self.config.update_frequency_on_step
+        self.target_sparsity_ratio = float(self.config.target_sparsity)
+        self.max_sparsity_ratio_per_layer = self.config.max_sparsity_ratio_per_layer
+        self.min_sparsity_ratio_per_layer = self.config.min_sparsity_ratio_per_layer
+        self.global_step = 0
+        self.local_step = 0
+        self.epoch = 0
+        self.optimizers: List[torch.optim.Optimizer] = []
+        self.criterion: Criterion = self.make_criterion()
+        self._scored_step = -1
+        # check that the target is reachable before touching any module
+        initial = {n: self._initial_mask(n, m) for n, m in self.modules.items()}
+        self._check_target(initial)
+        self.masks: Dict[str, Tensor] = {
+            n: mk.ensure_mask(m, self.weight_name, initial[n]) for n, m in self.modules.items()
+        }
+        self.initial_sparsity = self._group_sparsity()
+        self.current_sparsity_ratio = self.initial_sparsity
+        if self.modules and self.initial_sparsity > self.target_sparsity_ratio + 1e-12 and not isinstance(self, PatternLockPruner):
+            logger.warning(
+                "layers already at sparsity %.4f, above target_sparsity=%s; masks only lose ones, so they stay",
+                self.initial_sparsity, self.target_sparsity_ratio,
+            )
+        self.scheduler: Scheduler = get_scheduler(
+            self.start_step, self.end_step, self.target_sparsity_ratio, self.config.sparsity_decay_type,
+            self.update_frequency_on_step, initial_sparsity=min(self.initial_sparsity, self.target_sparsity_ratio),
+        )
+
+    # ------------------------------------------------------------------ set-up helpers
+    def make_criterion(self) -> Criterion:
+        """The criterion object; override to plug in a scoring of your own."""
+        return get_criterion(self.criterion_name)
+
+    @property
+    def scores(self) -> Dict[str, Tensor]:
+        """``{name: score tensor}`` as last computed by the criterion."""
+        return self.criterion.scores
+
+    def _initial_mask(self, name: str, module: nn.Module) -> Optional[Tensor]:
+        """Mask to create for a module not yet reparametrized (None = all ones)."""
+        return None
+
+    def _unit_bounds(self, name: str, shape, pruned_units: int, ratio_scale: float):
+        n = self.pattern.n_units(shape)
+        hi = min(int(math.floor(self.max_sparsity_ratio_per_layer * n + 1e-9)), self.pattern.max_units(shape))
+        lo = int(math.ceil(self.min_sparsity_ratio_per_layer * ratio_scale * n - 1e-9))
+        hi = max(hi, pruned_units)
+        lo = min(max(lo, pruned_units), hi)
+        return lo, hi
+
+    def _check_target(self, initial: Mapping[str, Optional[Tensor]]) -> None:
+        if not self.modules or isinstance(self, PatternLockPruner):
+            return
+        names, numel, lo, hi, un = [], [], [], [], []
+        for n, m in self.modules.items():
+            shape = tuple(mk.raw_weight(m, self.weight_name).shape)
+            if mk.is_reparametrized(m, self.weight_name):
+                mask = mk.get_mask(m, self.weight_name)
+            else:
+                mask = initial.get(n)
+            pruned = 0 if mask is None else int(self.pattern.unit_pruned(mask).sum())
+            l, h = self._unit_bounds(n, shape, pruned, 1.0)
+            names.append(n)
+            numel.append(math.prod(shape))
+            lo.append(l)
+            hi.append(h)
+            un.append(self.pattern.unit_numel(shape))
+        budget = self._budget(self.target_sparsity_ratio, numel, un)
+        try:
+            check_feasible(budget, numel, lo, hi, un, names)
+        except ValueError as e:
+            raise ValueError(f"{self.config.where} ({type(self).__name__}): {e}") from None
+
+    def _budget(self, sparsity: float, numel, unit_numel) -> int:
+        total = sum(numel)
+        if len(set(unit_numel)) == 1 and unit_numel:
+            u = unit_numel[0]
+            return int(round(sparsity * total / u)) * u
+        return int(round(sparsity * total))
+
+    def _group_sparsity(self) -> float:
+        total = zeros = 0
+        for n, m in self.modules.items():
+            mask = self.masks[n]
+            total += mask.numel()
+            zeros += int((mask == 0).sum())
+        return zeros / total if total else 0.0
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Clear this optimizer's state at pruned entries whenever a mask changes."""
+        if optimizer not in self.optimizers:
+            self.optimizers.append(optimizer)
+
+    # ------------------------------------------------------------------ callbacks
+    def on_train_begin(self, dataloader: Any = None) -> None:
+        """Start of training: masks are already in place; weights are re-masked."""
+        self.mask_weights()
+
+    def on_epoch_begin(self, epoch: int) -> None:
+        """Record the epoch number."""
+        self.epoch = int(epoch)
+
+    def on_step_begin(self, local_step: int) -> None:
+        """Record the step within the epoch (``global_step`` counts optimizer steps)."""
+        self.local_step = int(local_step)
+
+    def on_before_optimizer_step(self) -> None:
+        """Gradients are ready: zero them at pruned entries and score gradient criteria."""
+        with torch.no_grad():
+            for n, m in self.modules.items():
+                g = mk.get_orig(m, self.weight_name).grad
+                if g is not None:
+                    mask = self.masks[n]
+                    g.mul_(mask if mask.dtype == g.dtype else mask.to(g.dtype))
+        if self._needs_scores_now(self.global_step):
+            self.update_scores()
+
+    def on_after_optimizer_step(self) -> None:
+        """Weights moved: keep pruned entries at exactly zero."""
+        self.mask_weights()
+
+    def on_step_end(self) -> None:
+        """Update the masks when this is an update step, then advance ``global_step``."""
+        step = self.global_step
+        if self.check_is_pruned_step(step):
+            if self.criterion.needs_grad and self._scored_step != step:
+                logger.debug("step %d: on_before_optimizer_step was not called; scoring from current gradients", step)
+                self.update_scores()
+            self.update_masks(step)
+        self.global_step = step + 1
+
+    def on_epoch_end(self) -> None:
+        """End of an epoch (nothing to do by default)."""
+
+    def on_train_end(self) -> None:
+        """End of training: log the reached sparsity."""
+        logger.info("%s: sparsity %.4f (target %.4f) after %d steps", type(self).__name__,
+                    self._group_sparsity(), self.target_sparsity_ratio, self.global_step)
+
+    def on_before_eval(self) -> None:
+        """Before evaluation: make sure the weights are masked."""
+        self.mask_weights()
+
+    def on_after_eval(self) -> None:
+        """After evaluation (nothing to do by default)."""
+
+    # ------------------------------------------------------------------ work
+    def check_is_pruned_step(self, step: int) -> bool:
+        """True when the masks are updated at ``step``."""
+        return bool(self.modules) and self.scheduler.is_update_step(step)
+
+    def _needs_scores_now(self, step: int) -> bool:
+        if not self.criterion.needs_grad or not self.modules:
+            return False
+        return self.check_is_pruned_step(step)
+
+    def mask_weights(self) -> None:
+        """Set ``weight_orig`` to zero wherever the mask is zero (in place, no grad)."""
+        with torch.no_grad():
+            for n, m in self.modules.items():
+                orig = mk.get_orig(m, self.weight_name)
+                mask = self.masks[n]
+                orig.mul_(mask if mask.dtype == orig.dtype else mask.to(orig.dtype))
+
+    def update_scores(self) -> None:
+        """Feed the criterion this step's weights and gradients (gradient criteria)."""
+        if not self.criterion.needs_grad:
+            return
+        with torch.no_grad():
+            for n, m in self.modules.items():
+                orig = mk.get_orig(m, self.weight_name)
+                self.criterion.update(n, mk.effective_weight(m, self.weight_name), orig.grad)
+        self._scored_step = self.global_step
+
+    def layer_scores(self, name: str, module: nn.Module) -> Tensor:
+        """Importance of every weight of one layer (higher = keep)."""
+        w = mk.effective_weight(module, self.weight_name)
+        s = self.criterion.score(name, w)
+        if s is None:
+            logger.warning("%s: no gradient scores for %r yet; ranking it by magnitude this time",
+                           type(self).__name__, name)
+            s = w.abs().float()
+        return s
+
+    def update_masks(self, step: int) -> None:
+        """Move every mask to the scheduled sparsity of ``step`` (masks only lose ones)."""
+        sparsity = self.scheduler.sparsity(step)
+        names = list(self.modules)
+        shapes, unit_scores, numel, un, lo, hi = [], [], [], [], [], []
+        scale = sparsity / self.target_sparsity_ratio if self.target_sparsity_ratio > 0 else 0.0
+        with torch.no_grad():
+            for n in names:
+                m = self.modules[n]
+                mask = self.masks[n]
+                shape = tuple(mask.shape)
+                u = self.pattern.unit_scores(self.layer_scores(n, m).to(mask.device))
+                already = self.pattern.unit_pruned(mask)
+                u = torch.where(already, torch.full_like(u, -_INF), u)
+                u = torch.where(self.pattern.eligible(u), u, torch.full_like(u, _INF))
+                l, h = self._unit_bounds(n, shape, int(already.sum()), min(scale, 1.0))
+                shapes.append(shape)
+                unit_scores.append(u)
+                numel.append(mask.numel())
+                un.append(self.pattern.unit_numel(shape))
+                lo.append(l)
+                hi.append(h)
+            budget = self._budget(sparsity, numel, un)
+            budget = max(budget, sum(l * u for l, u in zip(lo, un)))
+            budget = min(budget, sum(h * u for h, u in zip(hi, un)))
+            if self.config.prune_domain == "global":
+                counts = global_counts(budget, unit_scores, un, lo, hi)
+            else:
+                counts = local_counts(budget, [self.pattern.n_units(s) for s in shapes], un, lo, hi)
+            for n, shape, u, k in zip(names, shapes, unit_scores, counts):
+                keep = self.pattern.expand(~select_lowest(u, k), shape)
+                self._set_mask(n, keep)
+        self.current_sparsity_ratio = sparsity
+        logger.debug("%s step %d: scheduled sparsity %.4f, reached %.4f", type(self).__name__, step,
+                     sparsity, self._group_sparsity())
+
+    def _set_mask(self, name: str, keep: Tensor) -> None:
+        module = self.modules[name]
+        mask = self.masks[name]
+        orig = mk.get_orig(module, self.weight_name)
+        if torch.equal(keep.to(torch.bool), mask != 0):
+            return
+        keep_f = keep.to(orig.dtype)
+        mask.copy_(keep.to(mask.dtype))
+        orig.mul_(keep_f)
+        if orig.grad is not None:
+            orig.grad.mul_(keep_f.to(orig.grad.dtype))
+        mk.clear_optimizer_state(self.optimizers, orig, keep_f)
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> Dict[str, Any]:
+        """Step, schedule position, scores and masks (tensors cloned)."""
+        return {
+            "prune_type": self.config.prune_type,
+            "global_step": self.global_step,
+            "local_step": self.local_step,
+            "epoch": self.epoch,
+            "current_sparsity_ratio": self.current_sparsity_ratio,
+            "initial_sparsity": self.initial_sparsity,
+            "scored_step": self._scored_step,
+            "scores": {n: s.detach().clone() for n, s in self.scores.items()},
+            "masks": {n: m.detach().clone() for n, m in self.masks.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved; masks are copied into the module buffers."""
+        missing = set(state.get("masks", {})) ^ set(self.masks)
+        if missing:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: layers differ between the checkpoint and this pruner: "
+                f"{sorted(missing)}"
+            )
+        for n, m in state["masks"].items():
+            if tuple(m.shape) != tuple(self.masks[n].shape):
+                raise ValueError(f"{type(self).__name__}.load_state_dict: mask of {n!r} has shape {tuple(m.shape)}, "
+                                 f"expected {tuple(self.masks[n].shape)}")
+        self.global_step = int(state["global_step"])
+        self.local_step = int(state.get("local_step", 0))
+        self.epoch = int(state.get("epoch", 0))
+        self.current_sparsity_ratio = float(state["current_sparsity_ratio"])
+        self.initial_sparsity = float(state.get("initial_sparsity", self.initial_sparsity))
+        self.scheduler.initial_sparsity = min(self.initial_sparsity, self.target_sparsity_ratio)
+        self._scored_step = int(state.get("scored_step", -1))
+        self.criterion.scores.clear()
+        for n, s in state.get("scores", {}).items():
+            self.criterion.scores[n] = s.detach().clone()
+        with torch.no_grad():
+            for n, m in state["masks"].items():
+                self.masks[n].copy_(m.to(self.masks[n].dtype))
+        self.mask_weights()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(layers={len(self.modules)}, pattern={self.pattern.name!r}, "
+                f"target={self.target_sparsity_ratio}, steps={self.start_step}..{self.end_step}, "
+                f"scope={self.config.prune_domain!r})")
+
+
+@register_pruners("magnitude")
+class MagnitudePruner(Pruner):
+    """Prunes the weights (blocks) of smallest ``|w|``."""
+
+    criterion_name = "magnitude"
+
+
+@register_pruners("snip")
+class SnipPruner(Pruner):
+    """Prunes the weights (blocks) of smallest ``|w * dL/dw|`` at each update step."""
+
+    criterion_name = "snip"
+
+
+@register_pruners("snip_momentum")
+class SnipMomentumPruner(Pruner):
+    """Prunes by ``|w * dL/dw|`` accumulated with momentum 0.9 at every optimizer step."""
+
+    criterion_name = "snip_momentum"
+
+    def _needs_scores_now(self, step: int) -> bool:
+        # accumulate at every step up to the last update, not only at update steps
+        return bool(self.modules) and step <= self.end_step
+
+
+@register_pruners("gradient")
+class GradientPruner(Pruner):
+    """Prunes the weights (blocks) of smallest ``|dL/dw|``."""
+
+    criterion_name = "gradient"
+
+
+@register_pruners("pattern_lock")
+class PatternLockPruner(Pruner):
+    """Keeps the zeros a model already has, through training: no new pruning.
+
+    Unpruned layers get the mask ``weight != 0``; layers that already carry a
+    mask keep it. Pruned entries get no gradient and no optimizer update.
+    """
+
+    criterion_name = "magnitude"
+
+    def _initial_mask(self, name: str, module: nn.Module) -> Optional[Tensor]:
+        w = mk.raw_weight(module, self.weight_name)
+        return (w != 0).to(w.dtype)
+
+    def check_is_pruned_step(self, step: int) -> bool:
+        return False
+
+    def __init__(self, modules, config) -> None:
+        super().__init__(modules, config)
+        self.target_sparsity_ratio = self.initial_sparsity
+        self.current_sparsity_ratio = self.initial_sparsity
+
+
+def get_pruner(modules: Union[Mapping[str, nn.Module], nn.Module], config: Union[PrunerConfig, Mapping[str, Any]]) -> Pruner:
+    """The registered pruner named by ``config``'s ``prune_type``, built on ``modules``.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> from prunekit.training import get_pruner
+        >>> get_pruner({"fc": nn.Linear(8, 4)}, {"prune_type": "snip", "pattern": "1x4"}).pattern
+        NxMPattern('1x4')
+    """
+    cfg = _as_config(config)
+    cls = get_pruner_class(cfg.prune_type)
+    return cls(modules, cfg)
+
+
