@@ -37,7 +37,7 @@ from .methods import (
     remove,
 )
 from .reparam import base_class, is_pruned, iter_pruned
-from .state_dict import dense_state_dict, load_state_dict
+from .state_dict import StateDictMismatchError, dense_state_dict, load_state_dict
 
 # torch's private spellings, so code written against torch ports by changing one import
 _validate_pruning_amount_init = validate_pruning_amount_init
@@ -71,6 +71,7 @@ __all__ = [
     "PruningError",
     "RandomStructured",
     "RandomUnstructured",
+    "StateDictMismatchError",
     "base_class",
     "compute_nparams_to_prune",
     "custom_from_mask",

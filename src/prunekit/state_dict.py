@@ -17,7 +17,11 @@ from torch import Tensor, nn
 from . import reparam
 from .base import BasePruningMethod
 
-__all__ = ["dense_state_dict", "load_state_dict"]
+__all__ = ["StateDictMismatchError", "dense_state_dict", "load_state_dict"]
+
+
+class StateDictMismatchError(ValueError, RuntimeError):
+    """Checkpoint keys or shapes that do not fit the model (a RuntimeError too, like torch's)."""
 
 
 def dense_state_dict(source: Union[nn.Module, Mapping[str, Tensor]]) -> "OrderedDict[str, Tensor]":
@@ -98,15 +102,31 @@ def load_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], strict: 
                 if full in sd and full + "_orig" not in sd:
                     sd[full + "_orig"] = sd.pop(full)
                     sd.setdefault(full + "_mask", module._buffers[name + "_mask"])
+        _check_fits(model, sd, strict)
         return model.load_state_dict(sd, strict=strict)
-    except RuntimeError as e:
-        for snap in reversed(snapshots):
-            snap.restore()
-        raise RuntimeError(
-            f"{e}\nprunekit.load_state_dict: keys are matched after translating x <-> x_orig/x_mask; the keys "
-            "above still differ between the checkpoint and the model (a different architecture?)"
-        ) from None
     except BaseException:
         for snap in reversed(snapshots):
             snap.restore()
         raise
+
+
+def _check_fits(model: nn.Module, sd: Mapping[str, Tensor], strict: bool) -> None:
+    # torch copies the matching tensors before it reports a mismatch; check first so nothing changes
+    target = model.state_dict()
+    missing = [k for k in target if k not in sd] if strict else []
+    unexpected = [k for k in sd if k not in target] if strict else []
+    shapes = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(target[k].shape)}"
+              for k in sd if k in target and isinstance(sd[k], Tensor) and sd[k].shape != target[k].shape]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"Missing key(s) in state_dict: {missing}")
+        if unexpected:
+            parts.append(f"Unexpected key(s) in state_dict: {unexpected}")
+        if shapes:
+            parts.append(f"Size mismatch: {shapes}")
+        raise StateDictMismatchError(
+            "prunekit.load_state_dict: the checkpoint does not fit the model (keys are compared after translating "
+            "x <-> x_orig/x_mask). " + "; ".join(parts) + ". Nothing was loaded; pass strict=False to load the "
+            "keys that match"
+        )
