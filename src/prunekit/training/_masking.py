@@ -16,10 +16,8 @@ __all__ = ["is_reparametrized", "ensure_mask", "get_orig", "get_mask", "effectiv
 
 
 def _custom_from_mask():
-    try:
-        from prunekit import custom_from_mask  # the core pruning API
-    except ImportError:  # pragma: no cover - only while the core is being written
-        from torch.nn.utils.prune import custom_from_mask
+    from prunekit import custom_from_mask  # the core pruning API (imported late: prunekit imports us)
+
     return custom_from_mask
 
 

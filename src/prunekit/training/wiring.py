@@ -243,10 +243,7 @@ def _undo(model: nn.Module, before: Mapping[str, bool]) -> None:
     """Remove reparameterizations added by a failed ``prepare_pruning``."""
     from . import _masking as mk
 
-    try:
-        from prunekit import remove
-    except ImportError:  # pragma: no cover - only while the core is being written
-        from torch.nn.utils.prune import remove
+    from prunekit import remove
     for n, m in model.named_modules():
         if not before.get(n, False) and mk.is_reparametrized(m):
             with torch.no_grad():

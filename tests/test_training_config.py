@@ -1,0 +1,103 @@
+import pytest
+
+from prunekit.training import PrunerConfig, PruningConfig, load_config
+
+
+def test_defaults():
+    c = PrunerConfig()
+    assert (c.prune_type, c.target_sparsity, c.pattern, c.prune_domain) == ("snip_momentum", 0.9, "4x1", "global")
+    assert (c.start_step, c.end_step, c.sparsity_decay_type, c.update_frequency_on_step) == (0, 0, "exp", 1)
+    assert (c.min_sparsity_ratio_per_layer, c.max_sparsity_ratio_per_layer) == (0.0, 0.98)
+    assert c.names == [] and c.excluded_names == [] and c.extra_excluded_names == []
+    assert c.prune_layer_type == ["Linear", "Conv1d", "Conv2d", "Conv3d"]
+
+
+def test_aliases_map_to_canonical_keys():
+    c = PrunerConfig.from_dict({
+        "pruning_type": "magnitude", "pruning_scope": "local", "pruning_frequency": 5,
+        "op_names": ["fc"], "excluded_op_names": ["fc2"], "min_sparsity_ratio_per_op": 0.1,
+        "max_sparsity_ratio_per_op": 0.95, "pruning_op_types": ["Conv"],
+    })
+    assert (c.prune_type, c.prune_domain, c.update_frequency_on_step) == ("magnitude", "local", 5)
+    assert (c.names, c.excluded_names) == (["fc"], ["fc2"])
+    assert (c.min_sparsity_ratio_per_layer, c.max_sparsity_ratio_per_layer) == (0.1, 0.95)
+    assert c.layer_type_names == ["Conv1d", "Conv2d", "Conv3d"]
+
+
+def test_entries_override_globals():
+    cfg = PruningConfig.from_dict({
+        "prune_type": "magnitude", "target_sparsity": 0.7, "end_step": 10,
+        "pruners": [{"names": ["^a"]}, {"names": ["^b"], "target_sparsity": 0.3, "prune_type": "snip"},
+                    {"names": ["^c"], "pattern": "1:4"}],
+    })
+    a, b, c = cfg.pruners
+    assert (a.prune_type, a.target_sparsity, a.end_step) == ("magnitude", 0.7, 10)
+    assert (b.prune_type, b.target_sparsity, b.end_step) == ("snip", 0.3, 10)
+    assert c.target_sparsity == 0.75  # 1:4 keeps one in four
+
+
+def test_unknown_key_did_you_mean():
+    with pytest.raises(ValueError, match=r"pruning config: unknown key 'target_sparsty'\. Did you mean 'target_sparsity'\?"):
+        PruningConfig.from_dict({"target_sparsty": 0.5})
+    with pytest.raises(ValueError, match=r"pruners\[1\]: unknown key 'excluded_name'\. Did you mean 'excluded_names'\?"):
+        PruningConfig.from_dict({"pruners": [{}, {"excluded_name": ["x"]}]})
+    with pytest.raises(ValueError, match=r"unknown key 'zzz'\. Known keys"):
+        PrunerConfig.from_dict({"zzz": 1})
+
+
+@pytest.mark.parametrize("d, exc, msg", [
+    ({"target_sparsity": "0.9"}, TypeError, r"target_sparsity='0.9' \(str\) must be a number in \[0, 1\]"),
+    ({"target_sparsity": 1.5}, ValueError, r"target_sparsity=1.5 is out of range; use a number in \[0, 1\]"),
+    ({"start_step": -1}, ValueError, r"start_step=-1 must be an integer >= 0"),
+    ({"end_step": 2.5}, TypeError, r"end_step=2.5 \(float\) must be an integer"),
+    ({"update_frequency_on_step": 0}, ValueError, r"update_frequency_on_step=0 must be an integer >= 1"),
+    ({"start_step": 5, "end_step": 2}, ValueError, r"end_step=2 is before start_step=5"),
+    ({"prune_domain": "globl"}, ValueError, r"prune_domain='globl' is not a scope.*Did you mean 'global'\?"),
+    ({"sparsity_decay_type": "cubic"}, ValueError, r"sparsity_decay_type='cubic'.*Did you mean 'cube'\?"),
+    ({"prune_type": "magnitud"}, ValueError, r"prune_type='magnitud' is not a registered pruner.*Did you mean 'magnitude'\?"),
+    ({"pattern": "4y1"}, ValueError, r"pattern='4y1' is not a pattern"),
+    ({"pattern": "2:4", "target_sparsity": 0.8}, ValueError, r"target_sparsity=0.8 does not match pattern '2:4'.*set target_sparsity: 0.5"),
+    ({"names": "(unclosed"}, ValueError, r"names entry '\(unclosed' is not a valid regular expression"),
+    ({"names": [1, 2]}, TypeError, r"names=\[1, 2\] must be a list of strings"),
+    ({"min_sparsity_ratio_per_layer": 0.6, "max_sparsity_ratio_per_layer": 0.5}, ValueError, r"min_sparsity_ratio_per_layer=0.6 is above max_sparsity_ratio_per_layer=0.5"),
+    ({"target_sparsity": 0.99}, ValueError, r"target_sparsity=0.99 is above max_sparsity_ratio_per_layer=0.98"),
+    ({"pruning_type": "snip", "prune_type": "snip"}, ValueError, r"'pruning_type' and 'prune_type' are two spellings of the same key"),
+    ({"pruners": []}, TypeError, r"pruners=\[\]; write a non-empty list"),
+    ({"prune_layer_type": []}, ValueError, r"prune_layer_type=\[\] selects no layer"),
+    ({"start_step": True}, TypeError, r"start_step=True \(bool\) must be an integer"),
+])
+def test_config_errors_name_key_value_and_fix(d, exc, msg):
+    with pytest.raises(exc, match=msg):
+        PruningConfig.from_dict(d)
+
+
+def test_config_errors_are_never_assertions():
+    with pytest.raises(ValueError) as info:
+        PruningConfig.from_dict({"target_sparsity": 2})
+    assert not isinstance(info.value, AssertionError)
+
+
+def test_yaml_round_trip(tmp_path):
+    path = tmp_path / "prune.yaml"
+    path.write_text(
+        "prune_type: snip_momentum\n"
+        "pattern: 1x1\n"
+        "end_step: 20\n"
+        "pruners:\n"
+        "  - op_names: ['conv.*']\n"
+        "    target_sparsity: 0.8\n"
+        "  - op_names: ['fc']\n"
+        "    pattern: '2:4'\n"
+    )
+    cfg = load_config(str(path))
+    assert [p.names for p in cfg.pruners] == [["conv.*"], ["fc"]]
+    assert [p.target_sparsity for p in cfg.pruners] == [0.8, 0.5]
+    assert PruningConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_load_config_accepts_every_form():
+    pc = PrunerConfig(prune_type="magnitude")
+    assert load_config(pc).pruners == [pc]
+    assert load_config([{"prune_type": "magnitude"}]).pruners == [pc]
+    with pytest.raises(TypeError, match="pass a dict, a list of dicts, a YAML path"):
+        load_config(3)
