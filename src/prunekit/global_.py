@@ -25,7 +25,7 @@ from .base import BasePruningMethod
 from .container import PruningContainer
 from .errors import PruningError
 from .kernels.amount import compute_nparams_to_prune, validate_pruning_amount
-from .kernels.select import keep_mask_smallest_multi
+from .kernels.select import NaNScoresError, keep_mask_smallest_multi
 from .methods import CustomFromMask, L1Unstructured
 
 __all__ = ["global_unstructured"]
@@ -149,6 +149,9 @@ def _l1_masks(method: L1Unstructured, pairs, origs, masks, scores) -> List[Tenso
         keeps = keep_mask_smallest_multi(
             [s if s is not None else o.detach() for s, o in zip(scores, origs)], k, eligible
         )
+    except NaNScoresError as e:
+        module, name = pairs[e.index]
+        raise ValueError(f"global_unstructured(): {reparam.describe(module, name)}: {e}") from None
     except ValueError as e:
         raise type(e)(f"global_unstructured() over {len(pairs)} tensors: {e}") from None
     return keeps

@@ -27,7 +27,15 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["keep_mask_smallest", "keep_mask_smallest_multi", "magnitude_keys"]
+__all__ = ["NaNScoresError", "keep_mask_smallest", "keep_mask_smallest_multi", "magnitude_keys"]
+
+
+class NaNScoresError(ValueError):
+    """Scores with NaN: no magnitude order exists. ``index`` says which input tensor."""
+
+    def __init__(self, message: str, index: int = 0) -> None:
+        super().__init__(message)
+        self.index = index
 
 _HIST_BITS = 15
 _SMALL = 1 << 16  # below this many entries a plain kthvalue is cheaper than a histogram
@@ -62,13 +70,14 @@ def magnitude_keys(scores: Tensor, space: torch.dtype = torch.float32) -> Tensor
     return x.view(torch.int64).bitwise_and(0x7FFFFFFFFFFFFFFF)
 
 
-def _finite_check(keys: Tensor) -> None:
+def _finite_check(keys: Tensor, index: int) -> None:
     inf_key = 0x7F800000 if keys.dtype == torch.int32 else 0x7FF0000000000000
     if keys.numel() and int(keys.max()) > inf_key:
-        raise ValueError(
+        raise NaNScoresError(
             f"scores contain {int((keys > inf_key).sum())} NaN value(s); NaN has no magnitude order, "
             "so no exact count can be pruned. Replace them first (e.g. torch.nan_to_num) or pass "
-            "importance_scores without NaN"
+            "importance_scores without NaN",
+            index,
         )
 
 
@@ -104,7 +113,7 @@ def keep_mask_smallest_multi(
     def keys_of(i: int, check: bool = False) -> Tensor:
         key = magnitude_keys(scores[i], space).reshape(-1)
         if check:
-            _finite_check(key)
+            _finite_check(key, i)
         e = eligible[i]
         if e is not None:
             key.masked_fill_(~e.reshape(-1).to(torch.bool), torch.iinfo(key.dtype).max)

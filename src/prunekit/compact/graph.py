@@ -1,0 +1,811 @@
+"""Dependency groups: which channels of which layers must be removed together.
+
+How it works
+------------
+The model is run once on the example inputs. Every module with a handler
+(``Linear``, ``Conv2d``, ``BatchNorm2d``, ``nn.MultiheadAttention``, BERT-style
+self-attention, ...) is a *leaf*: its handler says which parameter dimensions
+("slots") it owns and how its inputs and outputs relate to them. Every torch
+operation *between* leaves (``+``, ``torch.cat``, ``flatten``, ``view``,
+``permute``, activations, pooling, ``matmul``, ...) is seen through a
+``TorchFunctionMode``.
+
+Each activation gets a *shadow*: an int64 tensor of the same shape whose every
+element holds the id of the channel that element belongs to (``-1``: none).
+Shape operations are applied to the shadow exactly as to the activation, so a
+flatten, a view, a transpose or a concatenation needs no special rule.
+Element-wise operations union the ids they combine (a residual add couples the
+two branches' channels); a consumer layer unions its input-channel ids with the
+shadow it receives. The connected components of this union-find are the
+*units* (one channel, one head, one group of a grouped conv); units spanning
+the same set of layer dimensions form a *group*.
+
+Why this tracer and not torch.fx or torch.export
+------------------------------------------------
+* ``torch.fx.symbolic_trace`` fails on data-dependent Python control flow and
+  on most Hugging Face models (shape checks, ``if attention_mask is None``,
+  dataclass outputs); ``torch.export`` is stricter still and slow, and it
+  decomposes ``nn.MultiheadAttention`` into aten ops, losing the head
+  structure.
+* The autograd graph (Torch-Pruning's choice) handles any model that runs, but
+  it sees ``grad_fn`` types instead of operations (no ``cat`` dimension, no
+  view sizes without private attributes) and needs gradients everywhere.
+* Running the model eagerly under a ``TorchFunctionMode`` handles every model
+  that runs -- control flow takes the path it takes on the example -- and sees
+  real operations with their real arguments. Pruned modules (prunekit or
+  ``torch.nn.utils.prune``) are traced like the originals.
+
+Anything the tracer does not understand is never guessed: the channels that
+flow into an unknown operation are *blocked* (not prunable) and the reason
+names the operation and the module, e.g. ``"op 'einsum' in module
+'blocks.0.attn'"``. Channels that reach the model's outputs are blocked too
+(removing them would change the output's shape).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DependencyGraph",
+    "Group",
+    "TraceError",
+    "Unit",
+    "build_dependency_graph",
+]
+
+class TraceError(RuntimeError):
+    """The model's forward pass failed while prunekit traced it."""
+
+
+# ------------------------------------------------------------------ op tables
+def _names(*groups: str) -> frozenset:
+    out = set()
+    for g in groups:
+        out.update(g.split())
+    return frozenset(out)
+
+
+# Element-wise operations: each output element combines input elements at the same
+# (broadcast) position. In-place variants ("add_") are matched after stripping "_".
+POINTWISE = _names(
+    "add sub mul div true_divide rsub __add__ __radd__ __iadd__ __sub__ __rsub__ __isub__",
+    "__mul__ __rmul__ __imul__ __truediv__ __rtruediv__ __itruediv__ __div__ __neg__ __pos__",
+    "__pow__ __rpow__ pow neg abs exp log sqrt rsqrt square reciprocal sin cos erf tanh sigmoid",
+    "relu relu6 gelu silu mish hardswish hardsigmoid hardtanh leaky_relu elu selu celu softplus",
+    "softsign logsigmoid prelu dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout",
+    "clamp clamp_min clamp_max clip where masked_fill maximum minimum addcmul addcdiv lerp sign",
+    "threshold glu_never",
+)
+# Operations that only move elements around (or change dtype/device): apply them to the shadow.
+SHAPE = _names(
+    "view reshape flatten unflatten permute transpose t contiguous unsqueeze squeeze expand",
+    "expand_as __getitem__ narrow select movedim moveaxis swapaxes swapdims view_as reshape_as",
+    "clone repeat flip roll detach",
+)
+SAME = _names("to type float double half bfloat16 cpu cuda requires_grad_ __deepcopy__")
+MULTI = _names("split chunk unbind tensor_split split_with_sizes")
+CAT = _names("cat concat concatenate stack hstack vstack")
+REDUCE = _names("mean sum amax amin max min std var norm logsumexp prod nansum nanmean")
+SOFTMAX = _names("softmax log_softmax _softmax")
+POOL = _names(
+    "avg_pool1d avg_pool2d avg_pool3d max_pool1d max_pool2d max_pool3d adaptive_avg_pool1d",
+    "adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool1d adaptive_max_pool2d",
+    "adaptive_max_pool3d lp_pool1d lp_pool2d interpolate upsample max_pool2d_with_indices",
+    "_max_pool2d boolean_dispatch pixel_shuffle_never",
+)
+MATMUL = _names("matmul __matmul__ __rmatmul__ bmm mm")
+HARMLESS_MUTATORS = _names("requires_grad_ retain_grad share_memory_")
+
+
+def _op_name(func: Any) -> str:
+    name = getattr(func, "__name__", None) or str(func)
+    if name == "__get__":  # properties: Tensor.shape.__get__, Tensor.T.__get__
+        owner = getattr(func, "__self__", None)
+        name = getattr(owner, "__name__", "__get__")
+    return name
+
+
+def _tensors(obj: Any) -> List[Tensor]:
+    out: List[Tensor] = []
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, Tensor):
+            out.append(o)
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+    return out
+
+
+# ------------------------------------------------------------------ results
+@dataclass
+class Unit:
+    """One removable piece: a channel, a head or a group of a grouped conv.
+
+    ``members`` maps ``(module_name, slot_name)`` to the indices of that slot in this unit.
+    """
+
+    members: Dict[Tuple[str, str], Tensor]
+
+    def width(self) -> int:
+        """Channels per unit in its widest slot (32 for a 32-dim head)."""
+        return max(int(v.numel()) for v in self.members.values())
+
+
+@dataclass
+class Group:
+    """Units that span the same layer dimensions (e.g. conv1.out + bn1 + conv2.in)."""
+
+    slots: Tuple[Tuple[str, str], ...]
+    units: List[Unit]
+    blocked: Optional[str] = None  # reason this group cannot be pruned, or None
+
+    @property
+    def prunable(self) -> bool:
+        return self.blocked is None
+
+    def __repr__(self) -> str:
+        names = ", ".join(f"{m}.{s}" for m, s in self.slots[:6])
+        more = f", +{len(self.slots) - 6}" if len(self.slots) > 6 else ""
+        state = "prunable" if self.blocked is None else f"blocked: {self.blocked}"
+        return f"Group({len(self.units)} units x{self.units[0].width() if self.units else 0} [{names}{more}]; {state})"
+
+
+@dataclass
+class SlotInfo:
+    module_name: str
+    slot_name: str
+    start: int
+    spec: Any  # handlers.Slot
+
+
+@dataclass
+class DependencyGraph:
+    """The result of :func:`build_dependency_graph`."""
+
+    model: nn.Module
+    groups: List[Group]
+    slots: Dict[Tuple[str, str], SlotInfo]
+    handlers: Dict[str, Any]  # module name -> handler
+    ignored: Tuple[str, ...] = ()
+
+    def prunable_groups(self) -> List[Group]:
+        return [g for g in self.groups if g.prunable]
+
+    def module(self, name: str) -> nn.Module:
+        return self.model.get_submodule(name) if name else self.model
+
+
+# ------------------------------------------------------------------ union-find
+class _UnionFind:
+    """Union-find over channel ids; a root may carry a "blocked" reason that survives unions."""
+
+    def __init__(self) -> None:
+        self.parent: List[int] = []
+        self.blocked: Dict[int, str] = {}
+
+    def add(self, n: int) -> int:
+        start = len(self.parent)
+        self.parent.extend(range(start, start + n))
+        return start
+
+    def find(self, x: int) -> int:
+        p = self.parent
+        root = x
+        while p[root] != root:
+            root = p[root]
+        while p[x] != root:
+            p[x], x = root, p[x]
+        return root
+
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra == rb:
+            return
+        if ra < rb:
+            ra, rb = rb, ra
+        self.parent[ra] = rb
+        reason = self.blocked.pop(ra, None)
+        if reason is not None:
+            self.blocked.setdefault(rb, reason)
+
+    def union_pairs(self, pairs: Tensor) -> None:
+        """Union every row (a, b) of an (N, 2) int64 tensor where both are >= 0."""
+        if pairs.numel() == 0:
+            return
+        pairs = pairs[(pairs >= 0).all(dim=1)]
+        if pairs.numel() == 0:
+            return
+        pairs = torch.unique(pairs, dim=0)
+        for a, b in pairs.tolist():
+            if a != b:
+                self.union(a, b)
+
+    def block(self, ids: Iterable[int], reason: str) -> None:
+        for i in ids:
+            if i >= 0:
+                self.blocked.setdefault(self.find(i), reason)
+
+    def reason(self, i: int) -> Optional[str]:
+        return self.blocked.get(self.find(i))
+
+
+def _uniq(t: Tensor) -> List[int]:
+    t = t.reshape(-1)
+    t = t[t >= 0]
+    return torch.unique(t).tolist() if t.numel() else []
+
+
+def _varying_dims(s: Tensor) -> List[int]:
+    """Dimensions along which a shadow's labels change."""
+    dims = []
+    for d in range(s.dim()):
+        if s.shape[d] > 1 and bool((s != s.narrow(d, 0, 1)).any()):
+            dims.append(d)
+    return dims
+
+
+# ------------------------------------------------------------------ tracer
+class Tracer:
+    """Runs the model once and builds the union-find of coupled channels.
+
+    Handlers talk to it through :meth:`slot`, :meth:`bind`, :meth:`emit`,
+    :meth:`tie`, :meth:`block` and :meth:`shadow`.
+    """
+
+    def __init__(self, model: nn.Module, registry: Any, exact: bool = True) -> None:
+        self.model = model
+        self.registry = registry
+        self.exact = exact
+        self.uf = _UnionFind()
+        self.shadows: Dict[int, Tuple[Tensor, Tensor]] = {}
+        self.slots: Dict[Tuple[str, str], SlotInfo] = {}
+        self.handlers: Dict[str, Any] = {}
+        self.names: Dict[int, str] = {id(m): n for n, m in model.named_modules()}
+        self.stack: List[str] = []
+        self.leaf_depth = 0
+        self.last_op = ""
+        self.order: List[str] = []
+
+    # ---- handler API
+    @property
+    def where(self) -> str:
+        return self.stack[-1] if self.stack else "<model>"
+
+    def slot(self, module_name: str, slot_name: str) -> Tensor:
+        """Element ids of one slot (allocated on first use)."""
+        key = (module_name, slot_name)
+        info = self.slots.get(key)
+        if info is None:
+            handler = self.handlers[module_name]
+            spec = handler.slots(self.model.get_submodule(module_name))[slot_name]
+            info = SlotInfo(module_name, slot_name, self.uf.add(spec.size), spec)
+            self.slots[key] = info
+            if spec.tie > 1:  # heads / norm groups: consecutive blocks move together
+                ids = torch.arange(info.start, info.start + spec.size).view(-1, spec.tie)
+                self.tie(ids)
+        return torch.arange(info.start, info.start + info.spec.size)
+
+    def shadow(self, t: Any) -> Optional[Tensor]:
+        if not isinstance(t, Tensor):
+            return None
+        entry = self.shadows.get(id(t))
+        if entry is None or entry[0] is not t:
+            return None
+        return entry[1]
+
+    def set_shadow(self, t: Tensor, s: Optional[Tensor]) -> None:
+        if s is None:
+            self.shadows.pop(id(t), None)
+            return
+        if s.shape != t.shape:
+            raise RuntimeError(f"internal: shadow shape {tuple(s.shape)} != tensor shape {tuple(t.shape)}")
+        if bool((s >= 0).any()):
+            self.shadows[id(t)] = (t, s)
+        else:
+            self.shadows.pop(id(t), None)
+
+    def tie(self, ids: Tensor) -> None:
+        """Union each row of a 2-D id tensor into one unit."""
+        ids = ids.reshape(ids.shape[0], -1)
+        first = ids[:, :1].expand_as(ids)
+        self.uf.union_pairs(torch.stack([first.reshape(-1), ids.reshape(-1)], dim=1))
+
+    def union(self, a: Tensor, b: Tensor) -> None:
+        self.uf.union_pairs(torch.stack([a.reshape(-1), b.reshape(-1)], dim=1))
+
+    def block(self, ids: Any, reason: str) -> None:
+        if isinstance(ids, Tensor):
+            ids = _uniq(ids)
+        self.uf.block(ids, reason)
+
+    def bind(self, x: Any, dim: int, ids: Tensor, what: str = "") -> None:
+        """Couple dimension ``dim`` of input ``x`` with a consumer slot's ids."""
+        if not isinstance(x, Tensor):
+            return
+        dim = dim % x.dim()
+        if x.shape[dim] != ids.numel():
+            self.block(ids, f"input of module '{self.where}' has {x.shape[dim]} channels, expected {ids.numel()}")
+            return
+        s = self.shadow(x)
+        if s is None:
+            self.block(ids, f"input of module '{self.where}' does not come from a prunable layer")
+            return
+        s = s.movedim(dim, -1).reshape(-1, ids.numel())
+        s = torch.unique(s, dim=0)
+        pairs = torch.stack([s, ids.view(1, -1).expand_as(s)], dim=-1).reshape(-1, 2)
+        unlabeled = pairs[pairs[:, 0] < 0, 1]
+        if unlabeled.numel():
+            self.block(unlabeled, f"input of module '{self.where}' mixes prunable and fixed channels")
+        self.uf.union_pairs(pairs)
+
+    def emit(self, out: Any, dim: int, ids: Tensor) -> None:
+        """Label dimension ``dim`` of output ``out`` with a producer slot's ids."""
+        if not isinstance(out, Tensor):
+            return
+        dim = dim % out.dim()
+        shape = [1] * out.dim()
+        shape[dim] = ids.numel()
+        self.set_shadow(out, ids.view(shape).expand(out.shape).clone())
+
+    # ---- hooks
+    def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self.stack.append(self.names.get(id(module), "?"))
+        if id(module) in self._leaves:
+            self.leaf_depth += 1
+
+    def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        name = self.stack.pop() if self.stack else "?"
+        if id(module) in self._leaves:
+            self.leaf_depth -= 1
+            if self.leaf_depth == 0:
+                self.order.append(name)
+                self.stack.append(name)
+                try:
+                    self.handlers[name].trace(module, name, self, args, kwargs, output)
+                finally:
+                    self.stack.pop()
+
+    # ---- ops between leaves
+    def on_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        name = _op_name(func)
+        self.last_op = name
+        ins = [t for t in _tensors((args, kwargs)) if self.shadow(t) is not None]
+        if not ins:
+            return
+        base = name[:-1] if name.endswith("_") and not name.endswith("__") else name
+        outs = _tensors(out)
+        try:
+            if base in POINTWISE:
+                self._pointwise(name, args, kwargs, out)
+            elif base in SAME:
+                if isinstance(out, Tensor) and out.shape == args[0].shape and self.shadow(args[0]) is not None:
+                    self.set_shadow(out, self.shadow(args[0]))
+            elif base in SHAPE:
+                self._shape(func, args, kwargs, out)
+            elif base in MULTI:
+                res = func(self.shadow(args[0]), *args[1:], **kwargs)
+                for o, s in zip(out, res):
+                    self.set_shadow(o, s.clone())
+            elif base in CAT:
+                self._cat(func, args, kwargs, out)
+            elif base in SOFTMAX:
+                self._softmax(name, args, kwargs, out)
+            elif base in REDUCE:
+                self._reduce(name, args, kwargs, out)
+            elif base in POOL:
+                self._pool(name, args, out)
+            elif base in MATMUL:
+                self._matmul(name, args[0], args[1], out)
+            elif base == "scaled_dot_product_attention":
+                self._sdpa(args, kwargs, out)
+            elif not outs and base not in HARMLESS_MUTATORS and not name.endswith("_") and name not in (
+                "__setitem__",
+                "copy_",
+            ):
+                return  # a query (size, dim, item, ...) on a channel tensor: harmless
+            else:
+                self._unknown(name, ins, outs)
+        except TraceError:
+            raise
+        except Exception as exc:  # a rule failed on an unusual call: be conservative
+            logger.debug("shadow rule for %s failed: %s", name, exc)
+            self._unknown(name, ins, outs)
+
+    def _unknown(self, name: str, ins: List[Tensor], outs: List[Tensor]) -> None:
+        reason = f"op '{name}' in module '{self.where}' is not understood by the channel tracer"
+        for t in ins:
+            self.block(self.shadow(t), reason)
+        for o in outs:
+            self.set_shadow(o, None)
+
+    def _operand(self, a: Any, shape: torch.Size) -> Tuple[Optional[Tensor], Optional[torch.Size]]:
+        if isinstance(a, Tensor):
+            s = self.shadow(a)
+            if s is None:
+                s = torch.full(a.shape, -1, dtype=torch.long)
+            return s, a.shape
+        return None, None
+
+    def _pointwise(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        if not isinstance(out, Tensor):
+            return
+        shape = out.shape
+        operands = [self._operand(a, shape) for a in list(args) + list(kwargs.values())]
+        operands = [(s, sh) for s, sh in operands if s is not None]
+        labeled = [(s, sh) for s, sh in operands if bool((s >= 0).any())]
+        if not labeled:
+            self.set_shadow(out, None)
+            return
+        full = [s.expand(shape) if s.shape != shape else s for s, _ in labeled]
+        # varying dims of each labeled operand (in output coordinates)
+        for s, sh in operands:
+            if bool((s >= 0).any()):
+                continue
+            # a fixed operand: fine if it is constant along every channel dimension
+            nd = len(shape)
+            padded = [1] * (nd - len(sh)) + list(sh)
+            for ls in full:
+                for d in _varying_dims(ls):
+                    if padded[d] > 1:
+                        self.block(ls, f"op '{name}' in module '{self.where}' combines channels with a fixed tensor that varies along them")
+                        break
+        base = full[0]
+        for other in full[1:]:
+            self.union(base, other)
+            base = torch.where(base >= 0, base, other)
+            # positions labeled on one side only: the unlabeled side is an activation
+            # without channel ids that varies along the channel -> not removable
+            one_sided = (full[0] >= 0) != (other >= 0)
+            if bool(one_sided.any()):
+                self.block(torch.where(one_sided, base, torch.full_like(base, -1)), f"op '{name}' in module '{self.where}' adds channels to fixed values")
+        self.set_shadow(out, base.clone())
+
+    def _shape(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        if not isinstance(out, Tensor):
+            return
+        s_in = self.shadow(args[0])
+        if s_in is None:
+            self.set_shadow(out, None)
+            return
+        res = func(s_in, *args[1:], **kwargs)
+        if not isinstance(res, Tensor) or res.shape != out.shape:
+            raise RuntimeError("shape rule mismatch")
+        name = _op_name(func)
+        if name in ("view", "reshape", "unflatten", "view_as", "reshape_as") and len(_varying_dims(res)) > len(
+            _varying_dims(s_in)
+        ):
+            self.block(
+                s_in,
+                f"op '{name}' in module '{self.where}' splits a channel dimension (e.g. into heads); "
+                "register a handler for this module to prune it",
+            )
+            self.set_shadow(out, None)
+            return
+        self.set_shadow(out, res.clone())
+
+    def _cat(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        seq = args[0]
+        shadows = []
+        for t in seq:
+            s = self.shadow(t)
+            shadows.append(s if s is not None else torch.full(t.shape, -1, dtype=torch.long))
+        res = func(shadows, *args[1:], **kwargs)
+        # positions that came from a fixed tensor stay -1; consumers block them
+        self.set_shadow(out, res)
+
+    def _softmax(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        s = self.shadow(args[0])
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if dim is None or not isinstance(out, Tensor):
+            raise RuntimeError("softmax without dim")
+        if (dim % s.dim()) in _varying_dims(s):
+            self.block(s, f"op '{name}' in module '{self.where}' normalizes across channels")
+            self.set_shadow(out, None)
+        else:
+            self.set_shadow(out, s.clone())
+
+    def _reduce(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        s = self.shadow(args[0])
+        dim = kwargs.get("dim", args[1] if len(args) > 1 and not isinstance(args[1], bool) else None)
+        keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False)
+        value = out[0] if isinstance(out, tuple) else out
+        if not isinstance(value, Tensor):
+            return
+        if name in ("norm",) and dim is None and len(args) > 2:
+            dim = args[2]
+        dims = list(range(s.dim())) if dim is None else ([dim] if isinstance(dim, int) else list(dim))
+        dims = sorted({d % s.dim() for d in dims})
+        varying = _varying_dims(s)
+        if any(d in varying for d in dims):
+            self.block(s, f"op '{name}' in module '{self.where}' reduces across channels")
+            self.set_shadow(value, None)
+            return
+        r = s
+        for d in reversed(dims):
+            r = r.narrow(d, 0, 1)
+            if not keepdim:
+                r = r.squeeze(d)
+        r = r.reshape(value.shape)
+        self.set_shadow(value, r.clone())
+        if isinstance(out, tuple):
+            for o in out[1:]:
+                self.set_shadow(o, None)
+
+    def _pool(self, name: str, args: tuple, out: Any) -> None:
+        s = self.shadow(args[0])
+        value = out[0] if isinstance(out, tuple) else out
+        if s.dim() < 2:
+            raise RuntimeError("pool on 1-d")
+        # channel-wise ops over trailing spatial dims: labels must not vary spatially
+        lead = 2 if value.dim() == s.dim() and s.dim() >= 3 else 1
+        spatial = s.flatten(lead)
+        if spatial.shape[-1] and bool((spatial != spatial[..., :1]).any()):
+            self.block(s, f"op '{name}' in module '{self.where}' pools across channels")
+            self.set_shadow(value, None)
+            return
+        r = spatial[..., 0]
+        r = r.reshape(r.shape + (1,) * (value.dim() - r.dim())).expand(value.shape).clone()
+        self.set_shadow(value, r)
+        if isinstance(out, tuple):
+            for o in out[1:]:
+                self.set_shadow(o, None)
+
+    def _contract(self, name: str, a: Tensor, b: Tensor) -> Tuple[Tensor, Tensor, bool, bool]:
+        """Union the contracted dims of a @ b; returns broadcast shadows and whether each varies."""
+        sa = self.shadow(a)
+        sb = self.shadow(b)
+        sa = sa if sa is not None else torch.full(a.shape, -1, dtype=torch.long)
+        sb = sb if sb is not None else torch.full(b.shape, -1, dtype=torch.long)
+        if sa.dim() < 2 or sb.dim() < 2:
+            raise RuntimeError("1-d matmul")
+        va = (sa.dim() - 1) in _varying_dims(sa)
+        vb = (sb.dim() - 2) in _varying_dims(sb)
+        if va or vb:
+            # rows of a (..., n, k) against columns of b (..., k, m), per contracted index
+            ra = torch.unique(sa.movedim(-1, 0).reshape(sa.shape[-1], -1), dim=1)  # (k, ra)
+            rb = torch.unique(sb.movedim(-2, 0).reshape(sb.shape[-2], -1), dim=1)  # (k, rb)
+            pa = ra.unsqueeze(2).expand(-1, -1, rb.shape[1])
+            pb = rb.unsqueeze(1).expand(-1, ra.shape[1], -1)
+            pairs = torch.stack([pa.reshape(-1), pb.reshape(-1)], dim=1)
+            one_sided = (pairs[:, 0] >= 0) != (pairs[:, 1] >= 0)
+            if bool(one_sided.any()):
+                self.block(pairs[one_sided].max(dim=1).values, f"op '{name}' in module '{self.where}' contracts channels with fixed values")
+            self.uf.union_pairs(pairs)
+        return sa, sb, va, vb
+
+    def _matmul(self, name: str, a: Any, b: Any, out: Any) -> None:
+        if name == "__rmatmul__":
+            a, b = b, a
+        if not (isinstance(a, Tensor) and isinstance(b, Tensor) and isinstance(out, Tensor)):
+            raise RuntimeError("matmul operands")
+        sa, sb, va, vb = self._contract(name, a, b)
+        rows = None if va else sa.narrow(-1, 0, 1)  # (..., n, 1)
+        cols = None if vb else sb.narrow(-2, 0, 1)  # (..., 1, m)
+        res = self._free_labels(name, rows, cols, out)
+        self.set_shadow(out, res)
+
+    def _free_labels(self, name: str, rows: Optional[Tensor], cols: Optional[Tensor], out: Tensor) -> Optional[Tensor]:
+        rl = rows is not None and bool((rows >= 0).any())
+        cl = cols is not None and bool((cols >= 0).any())
+        if rl and cl:
+            self.block(rows, f"op '{name}' in module '{self.where}' forms an outer product of channels")
+            self.block(cols, f"op '{name}' in module '{self.where}' forms an outer product of channels")
+            return None
+        if rl:
+            return rows.expand(out.shape).clone()
+        if cl:
+            return cols.expand(out.shape).clone()
+        return None
+
+    def _sdpa(self, args: tuple, kwargs: dict, out: Any) -> None:
+        names = ["query", "key", "value", "attn_mask"]
+        vals = dict(zip(names, args))
+        vals.update({k: v for k, v in kwargs.items() if k in names})
+        q, k, v = vals["query"], vals["key"], vals["value"]
+        self._contract("scaled_dot_product_attention", q, k.transpose(-2, -1))  # q . k over the last dims
+        sv = self.shadow(v)
+        if sv is None:
+            self.set_shadow(out, None)
+            return
+        if (sv.dim() - 2) in _varying_dims(sv):
+            self.block(sv, f"op 'scaled_dot_product_attention' in module '{self.where}' mixes value channels across tokens")
+            self.set_shadow(out, None)
+            return
+        cols = sv.narrow(-2, 0, 1)
+        self.set_shadow(out, cols.expand(out.shape).clone())
+
+    # ---- run
+    def run(self, example_inputs: Any, ignored: Sequence[str]) -> Any:
+        for name, module in self.model.named_modules():
+            h = self.registry.lookup(module)
+            if h is not None and not any(name.startswith(p + ".") for p in self.handlers):
+                self.handlers[name] = h
+        self._leaves = {id(self.model.get_submodule(n)) for n in self.handlers}
+        hooks = []
+        for module in self.model.modules():
+            hooks.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+            hooks.append(module.register_forward_hook(self._post, with_kwargs=True))
+        tracer = self
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                if tracer.leaf_depth == 0:
+                    tracer.on_op(func, args, kwargs, out)
+                return out
+
+        was_training = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+        args, kwargs = _split_inputs(example_inputs)
+        try:
+            with torch.enable_grad(), _Mode():
+                output = self.model(*args, **kwargs)
+        except TraceError:
+            raise
+        except Exception as exc:
+            raise TraceError(
+                f"the model's forward pass failed while prunekit traced it, at op '{self.last_op}' in module "
+                f"'{self.where}': {type(exc).__name__}: {exc}. Check that example_inputs are what "
+                "model(*example_inputs) accepts."
+            ) from exc
+        finally:
+            for h in hooks:
+                h.remove()
+            for m, t in was_training:
+                m.training = t
+            self.stack.clear()
+            self.leaf_depth = 0
+        for t in _tensors(_flatten_output(output)):
+            s = self.shadow(t)
+            if s is not None:
+                self.block(s, _OUTPUT_REASON)
+        for name in ignored:
+            for (mname, sname), info in list(self.slots.items()):
+                if mname == name or mname.startswith(name + "."):
+                    self.block(self.slot(mname, sname), f"module '{mname}' is in ignored_layers")
+            if name in self.handlers:
+                for sname in self.handlers[name].slots(self.model.get_submodule(name)):
+                    self.block(self.slot(name, sname), f"module '{name}' is in ignored_layers")
+        self.shadows.clear()
+        return output
+
+
+def _split_inputs(example_inputs: Any) -> Tuple[tuple, dict]:
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def _flatten_output(output: Any) -> Any:
+    if isinstance(output, dict):
+        return list(output.values())
+    if hasattr(output, "to_tuple"):
+        return output.to_tuple()
+    return output
+
+
+def build_dependency_graph(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    ignored_layers: Optional[Sequence[Any]] = None,
+    exact: bool = True,
+    registry: Any = None,
+) -> DependencyGraph:
+    """Trace ``model`` once and return its groups of coupled channels.
+
+    Args:
+        model: any ``nn.Module`` (pruned or not).
+        example_inputs: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
+        ignored_layers: modules (or their names) to leave alone; every group touching
+            them is blocked. ``None`` means the final classifier: the last layer whose
+            outputs are the model's outputs.
+        exact: if True (default), groups whose removal would change the masked model's
+            output (e.g. features normalized by a LayerNorm) are blocked.
+        registry: a :class:`~prunekit.compact.handlers.HandlerRegistry` (default: the global one).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from prunekit.compact import build_dependency_graph
+        >>> m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        >>> g = build_dependency_graph(m, torch.randn(2, 8))
+        >>> [len(grp.units) for grp in g.prunable_groups()]
+        [16]
+    """
+    from .handlers import REGISTRY
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"build_dependency_graph expects an nn.Module, got {type(model).__name__}")
+    registry = registry or REGISTRY
+    tracer = Tracer(model, registry, exact=exact)
+    names = {id(m): n for n, m in model.named_modules()}
+    explicit: List[str] = []
+    for layer in ignored_layers or ():
+        if isinstance(layer, str):
+            try:
+                model.get_submodule(layer)
+            except AttributeError:
+                raise ValueError(f"ignored_layers: the model has no module named {layer!r}") from None
+            explicit.append(layer)
+        elif isinstance(layer, nn.Module):
+            if id(layer) not in names:
+                raise ValueError(f"ignored_layers: {type(layer).__name__} module is not part of this model")
+            explicit.append(names[id(layer)])
+        else:
+            raise TypeError(f"ignored_layers must hold modules or module names, got {type(layer).__name__}")
+    tracer.run(example_inputs, explicit)
+    ignored = list(explicit)
+    if ignored_layers is None:
+        final = _default_final_layers(tracer)
+        for name in final:
+            for sname in tracer.handlers[name].slots(model.get_submodule(name)):
+                tracer.block(tracer.slot(name, sname), f"module '{name}' is the final classifier (default ignored_layers)")
+        ignored = final
+    return _collect(tracer, tuple(ignored))
+
+
+def _collect(tracer: Tracer, ignored: Tuple[str, ...]) -> DependencyGraph:
+    uf = tracer.uf
+    by_root: Dict[int, Dict[Tuple[str, str], List[int]]] = {}
+    for key, info in tracer.slots.items():
+        for i in range(info.spec.size):
+            by_root.setdefault(uf.find(info.start + i), {}).setdefault(key, []).append(i)
+    groups_by_key: Dict[Tuple[Any, ...], Group] = {}
+    for r, members in by_root.items():
+        sig = tuple(sorted(members))
+        reason = uf.blocked.get(r)
+        unit = Unit({k: torch.tensor(v, dtype=torch.long) for k, v in members.items()})
+        g = groups_by_key.get((sig, reason))
+        if g is None:
+            g = groups_by_key[(sig, reason)] = Group(sig, [], blocked=reason)
+        g.units.append(unit)
+    return DependencyGraph(tracer.model, list(groups_by_key.values()), tracer.slots, tracer.handlers, ignored)
+
+
+def _default_final_layers(tracer: Tracer) -> List[str]:
+    """The final classifier: the last-run weight layer whose outputs are model outputs on their own.
+
+    "On their own" means its output channels are coupled to nothing else (no residual
+    add), so a transformer block's last projection, which feeds a residual stream, is
+    not mistaken for a classifier.
+    """
+    candidates = []
+    for (mname, sname), info in tracer.slots.items():
+        if info.spec.role != "out" or not tracer.handlers[mname].classifier:
+            continue
+        ids = range(info.start, info.start + info.spec.size)
+        roots = [tracer.uf.find(i) for i in ids]
+        if len(set(roots)) != info.spec.size // max(info.spec.tie, 1):
+            continue  # coupled with something else
+        if not all(tracer.uf.blocked.get(r) == _OUTPUT_REASON for r in roots):
+            continue
+        alone = True
+        for (m2, s2), i2 in tracer.slots.items():
+            if (m2, s2) != (mname, sname) and any(tracer.uf.find(j) in set(roots) for j in range(i2.start, i2.start + i2.spec.size)):
+                alone = False
+                break
+        if alone:
+            candidates.append(mname)
+    if not candidates:
+        return []
+    order = {n: i for i, n in enumerate(tracer.order)}
+    return [max(candidates, key=lambda n: order.get(n, -1))]
+
+
+_OUTPUT_REASON = "these channels are part of the model's output"
