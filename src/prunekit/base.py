@@ -55,7 +55,8 @@ class BasePruningMethod(ABC):
         ...         mask = default_mask.clone()
         ...         mask.view(-1)[1::2] = 0
         ...         return mask
-        >>> m = KeepEven.apply(torch.nn.Linear(2, 2), "weight")
+        >>> m = torch.nn.Linear(2, 2)
+        >>> _ = KeepEven.apply(m, "weight")
         >>> m.weight_mask.view(-1).tolist()
         [1.0, 0.0, 1.0, 0.0]
     """
@@ -98,7 +99,7 @@ class BasePruningMethod(ABC):
 
         Example:
             >>> import torch, prunekit
-            >>> prunekit.L1Unstructured(amount=1).prune(torch.tensor([3.0, -1.0, 2.0])).tolist()
+            >>> prunekit.L1Unstructured(amount=1).prune(torch.tensor([3.0, 1.0, 2.0])).tolist()
             [3.0, 0.0, 2.0]
         """
         if importance_scores is not None:
