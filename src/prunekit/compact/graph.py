@@ -712,9 +712,10 @@ def build_dependency_graph(
     Args:
         model: any ``nn.Module`` (pruned or not).
         example_inputs: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
-        ignored_layers: modules (or their names) to leave alone; every group touching
-            them is blocked. ``None`` means the final classifier: the last layer whose
-            outputs are the model's outputs.
+        ignored_layers: modules (or their names) left exactly as they are; every group
+            touching them is blocked. ``None`` (default) means the final classifier: its
+            outputs are model outputs and are never pruned, while its input columns follow
+            the layer before it (pass ``[model.fc]`` to freeze those too).
         exact: if True (default), groups whose removal would change the masked model's
             output (e.g. features normalized by a LayerNorm) are blocked.
         registry: a :class:`~prunekit.compact.handlers.HandlerRegistry` (default: the global one).
@@ -752,11 +753,9 @@ def build_dependency_graph(
     tracer.run(example_inputs, explicit)
     ignored = list(explicit)
     if ignored_layers is None:
-        final = _default_final_layers(tracer)
-        for name in final:
-            for sname in tracer.handlers[name].slots(model.get_submodule(name)):
-                tracer.block(tracer.slot(name, sname), f"module '{name}' is the final classifier (default ignored_layers)")
-        ignored = final
+        # The final classifier keeps its outputs (they are the model's outputs and were
+        # blocked above); its input columns follow the layer before it.
+        ignored = _default_final_layers(tracer)
     return _collect(tracer, tuple(ignored))
 
 

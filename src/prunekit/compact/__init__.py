@@ -1,0 +1,60 @@
+"""Compaction: structured pruning that makes a model smaller and faster (PyTorch only).
+
+* :func:`build_dependency_graph` -- groups of coupled channels from one traced run;
+* :func:`prune_groups` -- mask whole groups by importance (local or global budget);
+* :func:`compact` -- rebuild the masked model with smaller dense layers;
+* :func:`save_compacted` / :func:`load_compacted` -- a plain state dict plus a JSON-able
+  description that rebuilds the compacted model from the original model class;
+* :func:`register_handler` -- teach it a new layer type.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from prunekit.compact import prune_groups, compact, count_params
+    >>> m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    >>> x = torch.randn(4, 32)
+    >>> _ = prune_groups(m, x, 0.5)
+    >>> small = compact(m, x)
+    >>> count_params(m), count_params(small)
+    (2762, 1386)
+"""
+
+from .compact import (
+    compact,
+    compaction_description,
+    load_compacted,
+    rebuild_from_description,
+    save_compacted,
+    zero_units,
+)
+from .graph import DependencyGraph, Group, TraceError, Unit, build_dependency_graph
+from .handlers import REGISTRY, Entry, HandlerRegistry, ModuleHandler, Slot, register_handler
+from .importance import group_importance
+from .macs import count_macs, count_params
+from .modules import PrunedMultiheadAttention
+from .prune import GroupDecision, prune_groups
+
+__all__ = [
+    "DependencyGraph",
+    "Entry",
+    "Group",
+    "GroupDecision",
+    "HandlerRegistry",
+    "ModuleHandler",
+    "PrunedMultiheadAttention",
+    "REGISTRY",
+    "Slot",
+    "TraceError",
+    "Unit",
+    "build_dependency_graph",
+    "compact",
+    "compaction_description",
+    "count_macs",
+    "count_params",
+    "group_importance",
+    "load_compacted",
+    "prune_groups",
+    "rebuild_from_description",
+    "register_handler",
+    "save_compacted",
+]
