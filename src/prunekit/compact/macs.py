@@ -45,13 +45,22 @@ class _MacMode(TorchFunctionMode):
             out = func(*args, **kwargs)
             self.macs += _prod(q.shape[:-1]) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
             return out
-        if name in _COMPOSITE:
-            with self:  # look inside: it calls linear / sdpa / bmm itself
-                return func(*args, **kwargs)
+        if name == "multi_head_attention_forward":
+            out = func(*args, **kwargs)
+            self.macs += _mha_macs(args, kwargs)
+            return out
         return func(*args, **kwargs)
 
 
-_COMPOSITE = frozenset({"multi_head_attention_forward"})
+def _mha_macs(args: tuple, kwargs: dict) -> int:
+    """F.multi_head_attention_forward (seq-first, packed weights): projections + attention."""
+    q, k = args[0], args[1]
+    e = args[3]
+    w_out = args[11] if len(args) > 11 else kwargs["out_proj_weight"]
+    batch = q.shape[1] if q.dim() == 3 else 1
+    nq, nk = q.numel() // e, k.numel() // e
+    src = k.shape[0]
+    return nq * e * e + 2 * nk * e * e + 2 * nq * src * e + nq * w_out.shape[1] * w_out.shape[0]
 
 
 def count_macs(model: nn.Module, example_inputs: Any) -> int:
