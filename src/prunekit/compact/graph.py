@@ -227,7 +227,9 @@ class _UnionFind:
         pairs = pairs[(pairs >= 0).all(dim=1)]
         if pairs.numel() == 0:
             return
-        pairs = torch.unique(pairs, dim=0)
+        base = len(self.parent) + 1
+        keys = torch.unique(pairs[:, 0] * base + pairs[:, 1])  # 1-d unique: much faster than rows
+        pairs = torch.stack([keys // base, keys % base], dim=1)
         for a, b in pairs.tolist():
             if a != b:
                 self.union(a, b)
@@ -281,7 +283,7 @@ class Tracer:
     # ---- handler API
     @property
     def where(self) -> str:
-        return self.stack[-1] if self.stack else "<model>"
+        return (self.stack[-1] or "<model>") if self.stack else "<model>"
 
     def slot(self, module_name: str, slot_name: str) -> Tensor:
         """Element ids of one slot (allocated on first use)."""
@@ -642,7 +644,14 @@ class Tracer:
         class _Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
-                out = func(*args, **kwargs)
+                name = _op_name(func)
+                try:
+                    out = func(*args, **kwargs)
+                except Exception as exc:
+                    if not hasattr(exc, "_prunekit_op"):
+                        exc._prunekit_op = name  # the innermost failing op names the error
+                    raise
+                tracer.last_op = name
                 if tracer.leaf_depth == 0:
                     tracer.on_op(func, args, kwargs, out)
                 return out
@@ -656,8 +665,9 @@ class Tracer:
         except TraceError:
             raise
         except Exception as exc:
+            failed = getattr(exc, "_prunekit_op", self.last_op)
             raise TraceError(
-                f"the model's forward pass failed while prunekit traced it, at op '{self.last_op}' in module "
+                f"the model's forward pass failed while prunekit traced it, at op '{failed}' in module "
                 f"'{self.where}': {type(exc).__name__}: {exc}. Check that example_inputs are what "
                 "model(*example_inputs) accepts."
             ) from exc

@@ -1,0 +1,329 @@
+"""Compaction: dependency groups, group pruning, compact(), save/reload, errors."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import prunekit
+from prunekit.compact import (
+    ModuleHandler,
+    Slot,
+    Entry,
+    HandlerRegistry,
+    TraceError,
+    build_dependency_graph,
+    compact,
+    compaction_description,
+    count_macs,
+    count_params,
+    load_compacted,
+    prune_groups,
+    register_handler,
+)
+from compact_models import MLP, DWSeparable, EncoderBlock, ResNetLike
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    yield
+    torch.set_num_threads(n)
+
+
+def _run(m, x):
+    return m(*x) if isinstance(x, tuple) else m(x)
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def _roundtrip(small, make, x):
+    """torch.save of the module, and state dict + JSON description into a fresh original."""
+    buf = io.BytesIO()
+    torch.save(small, buf)
+    buf.seek(0)
+    again = torch.load(buf, weights_only=False).eval()
+    desc = json.loads(json.dumps(compaction_description(small)))
+    sd_buf = io.BytesIO()
+    torch.save(small.state_dict(), sd_buf)
+    sd_buf.seek(0)
+    rebuilt = load_compacted(make().eval(), torch.load(sd_buf, weights_only=True), desc).eval()
+    with torch.no_grad():
+        ref = _run(small, x)
+        assert torch.equal(_run(again, x), ref)
+        assert torch.equal(_run(rebuilt, x), ref)
+
+
+def _check(make, x, expected_params, expected_macs, amount=0.5, **kw):
+    model = make().eval()
+    dense_params = count_params(model)
+    prune_groups(model, x, amount, **kw)
+    assert prunekit.is_pruned(model)
+    assert count_params(model) == dense_params  # masks remove nothing yet
+    small = compact(model, x).eval()
+    with torch.no_grad():
+        masked, out = _run(model, x), _run(small, x)
+    assert out.shape == masked.shape
+    assert _rel(out, masked) < 1e-5
+    assert count_params(small) == expected_params
+    assert count_macs(small, x) == expected_macs
+    _roundtrip(small, make, x)
+    return model, small
+
+
+def test_mlp():
+    x = torch.randn(4, 64)
+    ref = MLP((64, 64, 48, 10))
+    model, small = _check(MLP, x, count_params(ref), count_macs(ref, x))
+    assert [l.out_features for l in small.layers] == [64, 48, 10]
+    assert count_macs(model, x) == 4 * (64 * 128 + 128 * 96 + 96 * 10)
+
+
+def test_resnet18_like():
+    x = torch.randn(2, 3, 32, 32)
+    ref = ResNetLike(widths=(8, 16, 32, 64))
+    _, small = _check(ResNetLike, x, count_params(ref), count_macs(ref, x))
+    assert small.fc.in_features == 64 and small.fc.out_features == 10
+
+
+def test_resnet50_like():
+    x = torch.randn(1, 3, 32, 32)
+    make = lambda: ResNetLike(widths=(64, 128, 256, 512), bottleneck=True)  # noqa: E731
+    ref = ResNetLike(widths=(32, 64, 128, 256), mids=(8, 16, 32, 64), bottleneck=True, stem=8)
+    _check(make, x, count_params(ref), count_macs(ref, x))
+
+
+def test_depthwise_separable_and_groupnorm():
+    x = torch.randn(2, 3, 32, 32)
+    ref = DWSeparable((8, 16, 32))
+    _, small = _check(DWSeparable, x, count_params(ref), count_macs(ref, x))
+    dw = small.blocks[0]
+    assert dw.groups == dw.in_channels == dw.out_channels == 8
+    assert small.blocks[4].num_groups == 4 and small.blocks[4].num_channels == 16
+
+
+@pytest.mark.parametrize("seq_first", [False, True])
+def test_encoder_block_heads_and_ffn(seq_first):
+    B, T, d = 2, 7, 32
+    ids = torch.randint(0, 50, (B, T))
+    pad = torch.zeros(B, T, dtype=torch.bool)
+    pad[1, -2:] = True
+    x = (ids, pad)
+    make = lambda: EncoderBlock(seq_first=seq_first)  # noqa: E731
+    dense = make()
+    n = B * T
+    params = count_params(dense) - (3 * 16 * d + 3 * 16) - 16 * d - (32 * d + 32) - 32 * d
+    macs = 3 * n * d * 16 + 2 * n * T * 16 + n * 16 * d + 2 * n * d * 32
+    _, small = _check(make, x, params, macs)
+    assert small.attn.num_heads == 2 and small.ff1.out_features == 32
+    assert small.attn.out_proj.out_features == d  # residual stream untouched (LayerNorm)
+
+
+def test_transformer_encoder_layer_uses_no_fast_path():
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, dropout=0.0).eval()
+    x = torch.randn(2, 5, 16)
+    prune_groups(layer, x, 0.5)
+    small = compact(layer, x).eval()
+    with torch.no_grad():
+        assert _rel(small(x), layer(x)) < 1e-5
+    assert small.self_attn.num_heads == 2 and small.linear1.out_features == 16
+
+
+def test_grouped_conv_prunes_whole_groups():
+    m = nn.Sequential(nn.Conv2d(3, 8, 1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, groups=4), nn.ReLU(), nn.Conv2d(8, 4, 1)).eval()
+    x = torch.randn(1, 3, 6, 6)
+    g = build_dependency_graph(m, x)
+    widths = sorted((len(gr.units), gr.units[0].width()) for gr in g.prunable_groups())
+    # one group: conv0.out, conv2.in/out (a unit = one conv group of 2 channels), conv4.in
+    assert widths == [(4, 2)]
+    (grp,) = g.prunable_groups()
+    assert sorted(grp.slots) == [("0", "out"), ("2", "in"), ("2", "out"), ("4", "in")]
+    prune_groups(m, x, 0.5)
+    small = compact(m, x)
+    assert small[2].groups == 2 and small[2].in_channels == 4 and small[2].out_channels == 4
+    with torch.no_grad():
+        assert _rel(small(x), m(x)) < 1e-5
+
+
+def test_global_scope_and_round_to():
+    x = torch.randn(4, 64)
+    m = MLP((64, 128, 96, 10))
+    d = prune_groups(m, x, 0.3, round_to=8)
+    assert [r.kept % 8 for r in d] == [0, 0]
+    assert [r.kept for r in d] == [96, 72]  # 128*0.7=89.6 -> 90 -> 96; 96*0.7=67.2 -> 67 -> 72
+    m2 = MLP((64, 128, 96, 10))
+    d2 = prune_groups(m2, x, 0.5, scope="global", importance="l2")
+    assert sum(len(r.removed) for r in d2) == round(0.5 * (128 + 96))
+
+
+def test_importances():
+    x = torch.randn(4, 64)
+    m = MLP()
+    with pytest.raises(ValueError, match="loss.backward"):
+        prune_groups(m, x, 0.5, importance="taylor")
+    assert not prunekit.is_pruned(m)
+    m(x).sum().backward()
+    d = prune_groups(m, x, 0.25, importance="taylor")
+    assert [len(r.removed) for r in d] == [32, 24]
+    with pytest.raises(ValueError, match="importance must be one of"):
+        prune_groups(MLP(), x, 0.5, importance="l7")
+    d = prune_groups(MLP(), x, 0.5, importance="random", generator=torch.Generator().manual_seed(1))
+    assert [len(r.removed) for r in d] == [64, 48]
+
+
+def test_l1_picks_smallest_units():
+    m = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    with torch.no_grad():
+        m[0].weight.fill_(1.0)
+        m[0].weight[[1, 4]] = 0.01
+        m[0].bias.zero_()
+        m[2].weight.fill_(1.0)
+    d = prune_groups(m, torch.randn(1, 4), 2 / 6)
+    assert d[0].removed == [1, 4]
+    assert torch.equal(m[0].weight_mask[:, 0], torch.tensor([1.0, 0, 1, 1, 0, 1]))
+    assert torch.equal(m[2].weight_mask[0], torch.tensor([1.0, 0, 1, 1, 0, 1]))
+
+
+def test_ignored_layers_left_alone():
+    x = torch.randn(4, 64)
+    m = MLP((64, 128, 96, 80, 10))
+    before = m.layers[1].weight.detach().clone()
+    d = prune_groups(m, x, 0.5, ignored_layers=[m.layers[1]])
+    assert [r.kept for r in d] == [40]
+    assert not hasattr(m.layers[1], "weight_orig") and not hasattr(m.layers[0], "weight_orig")
+    small = compact(m, x, ignored_layers=["layers.1"])
+    assert torch.equal(small.layers[1].weight, before)
+    assert small.layers[0].out_features == 128  # coupled with the ignored layer's input
+    assert small.layers[2].out_features == 40
+    with torch.no_grad():
+        assert _rel(small(x), m(x)) < 1e-5
+    with pytest.raises(ValueError, match="no module named 'nope'"):
+        prune_groups(MLP(), x, 0.5, ignored_layers=["nope"])
+
+
+def test_default_ignores_final_classifier_outputs():
+    g = build_dependency_graph(ResNetLike(), torch.randn(1, 3, 16, 16))
+    assert g.ignored == ("fc",)
+    blocked = [gr for gr in g.groups if not gr.prunable]
+    assert any(("fc", "out") in gr.slots and "model's output" in gr.blocked for gr in blocked)
+
+
+def test_unstructured_masks_error():
+    x = torch.randn(4, 64)
+    m = MLP()
+    for layer in m.layers:
+        prunekit.l1_unstructured(layer, "weight", 0.5)
+    with pytest.raises(ValueError) as e:
+        compact(m, x)
+    msg = str(e.value)
+    assert "found 0 whole channels" in msg and "prunekit.sparsify_for_inference" in msg
+    assert "zero 10720 of 21440 weights" in msg
+
+
+def test_partial_channel_masks_error_points_to_prune_groups():
+    x = torch.randn(4, 64)
+    m = MLP()
+    prunekit.ln_structured(m.layers[0], "weight", 0.5, n=2, dim=0)
+    with pytest.raises(ValueError, match="prune_groups"):
+        compact(m, x)
+
+
+def test_unremovable_channels_keep_unstructured_masks():
+    x = torch.randn(4, 64)
+    m = MLP()
+    prune_groups(m, x, 0.5)
+    prunekit.l1_unstructured(m.layers[2], "weight", 0.3)
+    small = compact(m, x)
+    assert hasattr(small.layers[2], "weight_mask") and small.layers[2].weight_mask.shape == (10, 48)
+    with torch.no_grad():
+        assert _rel(small(x), m(x)) < 1e-5
+
+
+class _Einsum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(torch.einsum("bi,bj->bi", self.a(x), x))
+
+
+def test_unknown_op_blocks_and_names_op_and_module():
+    g = build_dependency_graph(_Einsum(), torch.randn(2, 8))
+    reasons = [gr.blocked for gr in g.groups if gr.blocked]
+    assert any("'einsum'" in r and "module '<model>'" in r for r in reasons)
+    assert not g.prunable_groups()
+
+
+class _Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(8, 8), nn.Linear(5, 2))
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_forward_failure_names_op_and_module():
+    with pytest.raises(TraceError, match=r"op 'linear' in module 'inner\.1'"):
+        build_dependency_graph(_Broken(), torch.randn(2, 8))
+
+
+def test_custom_handler_registry():
+    class Scale(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.s = nn.Parameter(torch.rand(n) + 0.5)
+
+        def forward(self, x):
+            return x * self.s
+
+    reg = HandlerRegistry()
+    from prunekit.compact.handlers import REGISTRY, LinearHandler
+
+    reg.register(nn.Linear, LinearHandler())
+
+    @register_handler(Scale, registry=reg)
+    class ScaleHandler(ModuleHandler):
+        def slots(self, m):
+            return {"f": Slot(m.s.numel(), [Entry("s", 0, role="norm")], role="norm")}
+
+        def trace(self, m, name, tracer, args, kwargs, output):
+            ids = tracer.slot(name, "f")
+            tracer.bind(args[0], -1, ids)
+            tracer.emit(output, -1, ids)
+
+    m = nn.Sequential(nn.Linear(4, 8), Scale(8), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    assert not build_dependency_graph(m, x).prunable_groups()  # default registry: Scale's parameter blocks
+    g = build_dependency_graph(m, x, registry=reg)
+    assert [sorted(gr.slots) for gr in g.prunable_groups()] == [[("0", "out"), ("1", "f"), ("2", "in")]]
+    assert REGISTRY.lookup(Scale(2)) is None
+
+
+def test_failed_prune_leaves_model_unchanged():
+    m = MLP()
+    with pytest.raises(ValueError, match=r"amount must be in \[0, 1\)"):
+        prune_groups(m, torch.randn(2, 64), 1.5)
+    with pytest.raises(TypeError):
+        prune_groups(m, torch.randn(2, 64), "half")
+    assert not prunekit.is_pruned(m)
+
+
+def test_compact_keeps_original_and_training_flags():
+    x = torch.randn(4, 64)
+    m = MLP().train()
+    prune_groups(m, x, 0.5)
+    small = compact(m, x)
+    assert m.training and small.training
+    assert m.layers[0].weight_orig.shape == (128, 64)
+    assert small.layers[0].weight.shape == (64, 64)
