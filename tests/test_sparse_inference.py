@@ -13,7 +13,6 @@ import pickle
 
 import pytest
 import torch
-import torch.nn.functional as F
 import torch.nn.utils.prune as torch_prune
 from hypothesis import given, settings
 from hypothesis import strategies as st
