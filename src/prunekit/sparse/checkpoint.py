@@ -147,20 +147,25 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return _raw_bytes(t).view(word).reshape(t.numel(), k)
 
 
+# Multiplying eight little-endian 0/1 bytes (one int64) by this constant
+# gathers them, lowest byte first, into the top byte of the product.
+_GATHER_BITS = 0x0102040810204080
+
+
 def _pack_bits(flags: torch.Tensor) -> torch.Tensor:
     """Pack a flat bool tensor into uint8, least-significant bit first."""
     n = flags.numel()
     padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.uint8)
-    padded[:n] = flags.to(torch.uint8)
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-    return (padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+    padded[:n] = flags.reshape(-1)
+    gathered = padded.view(torch.int64).mul(_GATHER_BITS).bitwise_right_shift(56).bitwise_and(0xFF)
+    return gathered.to(torch.uint8)
 
 
 def _unpack_bits(packed: torch.Tensor, n: int) -> Tuple[torch.Tensor, bool]:
     """Inverse of :func:`_pack_bits`; also says whether the padding bits are all zero."""
     shifts = torch.arange(8, dtype=torch.uint8)
-    bits = packed.reshape(-1, 1).bitwise_right_shift(shifts).bitwise_and(1).reshape(-1)
-    return bits[:n].bool(), not bool(bits[n:].any())
+    bits = packed.reshape(-1, 1).bitwise_right_shift(shifts).bitwise_and_(1).reshape(-1)
+    return bits[:n].view(torch.bool), not bool(bits[n:].any())
 
 
 def _one_word(dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -233,14 +238,15 @@ def _encode(
         words = _words(t)
         zero = words.eq(0).all(dim=1)
         is_neg_zero = _row_eq(words, neg_zero) if neg_zero is not None else torch.zeros_like(zero)
-        n_neg_zero = int(is_neg_zero.sum())
+        n_neg_zero = int(torch.count_nonzero(is_neg_zero))
         nonzero = ~(zero | is_neg_zero)
-        nnz = int(nonzero.sum())
+        nnz = int(torch.count_nonzero(nonzero))
         mask_cost = math.ceil(numel / 8) + _ENTRY_OVERHEAD
         sign_cost = math.ceil((numel - nnz) / 8) + _ENTRY_OVERHEAD if n_neg_zero else 0
         sparse_cost = mask_cost + nnz * item + _ENTRY_OVERHEAD + sign_cost
         one = _one_word(t.dtype)
-        is_binary = n_neg_zero == 0 and one is not None and bool(_row_eq(words[nonzero], one).all())
+        is_binary = (n_neg_zero == 0 and one is not None
+                     and bool(torch.where(nonzero.unsqueeze(1), words.eq(one), True).all()))
         best = min(dense_cost, sparse_cost, mask_cost if is_binary else dense_cost)
         if best < dense_cost:
             entry["nnz"] = nnz
@@ -249,13 +255,13 @@ def _encode(
                 entry["encoding"] = "binary"
                 return entry, stored
             entry["encoding"] = "sparse"
-            values = words[nonzero].reshape(-1).view(torch.uint8).view(t.dtype)
+            values = torch.masked_select(words, nonzero.unsqueeze(1)).view(torch.uint8).view(t.dtype)
             values, storage = _as_storable(values, native)
             entry["storage"] = storage
             stored[name + _VALUES_SUFFIX] = values
             if n_neg_zero:
                 entry["neg_zeros"] = n_neg_zero
-                stored[name + _SIGNS_SUFFIX] = _pack_bits(is_neg_zero[~nonzero])
+                stored[name + _SIGNS_SUFFIX] = _pack_bits(torch.masked_select(is_neg_zero, ~nonzero))
             return entry, stored
     entry["encoding"] = "dense"
     dense, storage = _as_storable(t, native)
@@ -431,7 +437,7 @@ def _decode(entry: Mapping[str, Any], get: Any, path: str) -> Tuple[str, torch.T
                 f"expected ({math.ceil(numel / 8)},) uint8"
             )
         flags, padding_clean = _unpack_bits(packed, numel)
-        found = int(flags.sum())
+        found = int(torch.count_nonzero(flags))
         if found != nnz or not padding_clean:
             raise _damaged(f"{where}: bitmask marks {found} non-zeros, the index says {nnz}")
         template = torch.zeros(numel, dtype=dtype)
@@ -440,12 +446,12 @@ def _decode(entry: Mapping[str, Any], get: Any, path: str) -> Tuple[str, torch.T
             one = _one_word(dtype)
             if one is None:
                 raise _damaged(f"{where}: dtype {dtype} cannot hold a binary mask")
-            words[flags] = one
+            words.masked_scatter_(flags.unsqueeze(1), one.expand(nnz, -1))
         else:
             values = _from_storable(get(name + _VALUES_SUFFIX), entry.get("storage"), dtype, nnz, where)
             if values.numel() != nnz:
                 raise _damaged(f"{where}: {values.numel()} values stored, the index says {nnz}")
-            words[flags] = _words(values.contiguous())
+            words.masked_scatter_(flags.unsqueeze(1), _words(values.contiguous()))
             n_neg = entry.get("neg_zeros")
             if n_neg is not None:
                 neg_zero = _neg_zero_word(dtype)
@@ -455,10 +461,11 @@ def _decode(entry: Mapping[str, Any], get: Any, path: str) -> Tuple[str, torch.T
                         or signs.dim() != 1 or signs.numel() != math.ceil(zeros / 8)):
                     raise _damaged(f"{where}: bad zero-sign record")
                 sign_flags, sign_clean = _unpack_bits(signs, zeros)
-                if int(sign_flags.sum()) != n_neg or not sign_clean:
+                if int(torch.count_nonzero(sign_flags)) != n_neg or not sign_clean:
                     raise _damaged(f"{where}: zero-sign bitmask does not match the index")
-                zero_at = (~flags).nonzero().squeeze(1)
-                words[zero_at[sign_flags]] = neg_zero
+                negative = torch.zeros(numel, dtype=torch.bool).masked_scatter_(~flags, sign_flags)
+                for j in range(words.shape[1]):
+                    words[:, j].masked_fill_(negative, neg_zero[j])
         out = template.reshape(shape)
     else:
         raise _damaged(f"{where}: unknown encoding {encoding!r} in the index")
