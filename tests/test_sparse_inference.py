@@ -221,7 +221,24 @@ def test_shared_layer_is_replaced_everywhere():
     assert model[0] is shared and model[2] is shared
 
 
-def test_layer_types_filter_and_sparse_modules_are_not_reconverted():
+def test_root_layer_is_explained_not_replaced():
+    lin = nn.Linear(32, 32)
+    prunekit.l1_unstructured(lin, "weight", amount=0.9)
+    report = sparsify_for_inference(lin, measure=False)
+    assert report.converted == [] and "wrap it" in report[""].reason
+    assert type(lin).__name__ == "Linear" and lin.weight_mask.shape == (32, 32)
+
+
+def test_layer_types_filter():
+    model = nn.Sequential(nn.Linear(16, 16), nn.Conv2d(2, 2, 1))
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[1].weight.zero_()
+    report = sparsify_for_inference(model, layer_types=("conv2d",), example_inputs=None, measure=False)
+    assert [d.name for d in report.layers] == ["1"] and isinstance(model[0], nn.Linear)
+
+
+def test_sparse_modules_are_not_reconverted():
     model = pruned_mlp(0.9)
     sparsify_for_inference(model, measure=False)
     second = sparsify_for_inference(model, measure=False)

@@ -377,6 +377,11 @@ def sparsify_for_inference(
             report.layers.append(LayerDecision(name, kind, tuple(mod.weight.shape), _sparsity(mod.weight), False,
                                                "read directly by its parent nn.MultiheadAttention; cannot be swapped"))
             continue
+        if mod is model:
+            report.layers.append(LayerDecision(name, kind, tuple(mod.weight.shape), _sparsity(mod.weight), False,
+                                               "the model itself is this layer and cannot be replaced in place; "
+                                               "wrap it (nn.Sequential(layer)) or use CSRLinear.from_dense"))
+            continue
         if isinstance(mod, nn.modules.lazy.LazyModuleMixin) and mod.has_uninitialized_params():
             report.layers.append(LayerDecision(name, kind, (), 0.0, False, "lazy layer not initialized yet"))
             continue
