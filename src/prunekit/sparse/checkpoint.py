@@ -15,9 +15,12 @@ bitmask population against the stored count, and the checksum of every
 rebuilt tensor; any mismatch raises :class:`CorruptCheckpointError` — a
 damaged file never yields wrong weights.
 
-"Zero" means *all bits zero*: ``-0.0`` and NaN are kept as values, so the round
-trip is bit-exact for every dtype (float64/32/16, bfloat16, float8 variants,
-complex, every integer width, bool). Dtypes that safetensors has no tag for
+The round trip is bit-exact for every dtype (float64/32/16, bfloat16, float8
+variants, complex, every integer width, bool): NaN payloads are kept as values,
+and ``-0.0`` — which ``w * mask`` leaves wherever a negative weight was pruned
+— is restored from one extra bit per zero element, stored only for tensors
+that hold one (``keep_zero_sign=False`` stores it as ``0.0`` instead, for a
+smaller file). Dtypes that safetensors has no tag for
 (complex128, sub-byte types, ...) are stored as raw bytes and re-typed on load.
 
 Needs the ``safetensors`` package (``pip install prunekit[io]``).
