@@ -259,7 +259,7 @@ def _squeeze_constant(*shadows: Tensor) -> List[Tensor]:
     """
     out = list(shadows)
     for d in range(out[0].dim()):
-        if out[0].shape[d] > 1 and all(bool((s == s.narrow(d, 0, 1)).all()) for s in out):
+        if out[0].shape[d] > 1 and all(s.stride(d) == 0 or bool((s == s.narrow(d, 0, 1)).all()) for s in out):
             out = [s.narrow(d, 0, 1) for s in out]
     return out
 
@@ -268,7 +268,7 @@ def _varying_dims(s: Tensor) -> List[int]:
     """Dimensions along which a shadow's labels change."""
     dims = []
     for d in range(s.dim()):
-        if s.shape[d] > 1 and bool((s != s.narrow(d, 0, 1)).any()):
+        if s.shape[d] > 1 and s.stride(d) != 0 and bool((s != s.narrow(d, 0, 1)).any()):
             dims.append(d)
     return dims
 
@@ -328,7 +328,7 @@ class Tracer:
             return
         if s.shape != t.shape:
             raise RuntimeError(f"internal: shadow shape {tuple(s.shape)} != tensor shape {tuple(t.shape)}")
-        if bool((s >= 0).any()):
+        if bool((_squeeze_constant(s)[0] >= 0).any()) if s.dim() else int(s) >= 0:
             self.shadows[id(t)] = (t, s)
         else:
             self.shadows.pop(id(t), None)
@@ -375,7 +375,7 @@ class Tracer:
         dim = dim % out.dim()
         shape = [1] * out.dim()
         shape[dim] = ids.numel()
-        self.set_shadow(out, ids.view(shape).expand(out.shape).clone())
+        self.set_shadow(out, ids.view(shape).expand(out.shape))  # shadows are never mutated: views are fine
 
     # ---- hooks
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -462,14 +462,14 @@ class Tracer:
         shape = out.shape
         operands = [self._operand(a, shape) for a in list(args) + list(kwargs.values())]
         operands = [(s, sh) for s, sh in operands if s is not None]
-        labeled = [(s, sh) for s, sh in operands if bool((s >= 0).any())]
+        labeled = [(s, sh) for s, sh in operands if bool((_squeeze_constant(s)[0] >= 0).any())]
         if not labeled:
             self.set_shadow(out, None)
             return
         full = [s.expand(shape) if s.shape != shape else s for s, _ in labeled]
         # varying dims of each labeled operand (in output coordinates)
         for s, sh in operands:
-            if bool((s >= 0).any()):
+            if any(s is ls for ls, _ in labeled):
                 continue
             # a fixed operand: fine if it is constant along every channel dimension
             nd = len(shape)
@@ -489,7 +489,7 @@ class Tracer:
             one_sided = (full[0] >= 0) != (other >= 0)
             if bool(one_sided.any()):
                 self.block(torch.where(one_sided, base, torch.full_like(base, -1)), f"op '{name}' in module '{self.where}' adds channels to fixed values")
-        self.set_shadow(out, base.expand(shape).clone())
+        self.set_shadow(out, base.expand(shape))
 
     def _shape(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if not isinstance(out, Tensor):
@@ -498,7 +498,10 @@ class Tracer:
         if s_in is None:
             self.set_shadow(out, None)
             return
-        res = func(s_in, *args[1:], **kwargs)
+        try:
+            res = func(s_in, *args[1:], **kwargs)
+        except RuntimeError:  # e.g. view() of an expanded shadow
+            res = func(s_in.contiguous(), *args[1:], **kwargs)
         if not isinstance(res, Tensor) or res.shape != out.shape:
             raise RuntimeError("shape rule mismatch")
         name = _op_name(func)
@@ -512,7 +515,7 @@ class Tracer:
             )
             self.set_shadow(out, None)
             return
-        self.set_shadow(out, res.clone())
+        self.set_shadow(out, res)
 
     def _cat(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         seq = args[0]
@@ -575,7 +578,7 @@ class Tracer:
             self.set_shadow(value, None)
             return
         r = spatial[..., 0]
-        r = r.reshape(r.shape + (1,) * (value.dim() - r.dim())).expand(value.shape).clone()
+        r = r.reshape(r.shape + (1,) * (value.dim() - r.dim())).expand(value.shape)
         self.set_shadow(value, r)
         if isinstance(out, tuple):
             for o in out[1:]:

@@ -57,7 +57,6 @@ def _mha_macs(args: tuple, kwargs: dict) -> int:
     q, k = args[0], args[1]
     e = args[3]
     w_out = args[11] if len(args) > 11 else kwargs["out_proj_weight"]
-    batch = q.shape[1] if q.dim() == 3 else 1
     nq, nk = q.numel() // e, k.numel() // e
     src = k.shape[0]
     return nq * e * e + 2 * nk * e * e + 2 * nq * src * e + nq * w_out.shape[1] * w_out.shape[0]
