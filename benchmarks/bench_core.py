@@ -203,10 +203,14 @@ def case_global_unstructured(prune, ctx: Ctx) -> dict:
     wbytes = _weight_bytes(list(stack))
     n = sum(m.weight.numel() for m in stack)
     held_before = reachable_storage_bytes(stack)
+    kwargs: dict[str, Any] = {"mask_dtype": torch.bool} if ctx.option == "lean" else {}
     meter = MemoryMeter()
-    with meter:
-        t = ctx.measure(lambda: prune.global_unstructured(
-            params, pruning_method=prune.L1Unstructured, amount=0.8))
+    try:
+        with meter:
+            t = ctx.measure(lambda: prune.global_unstructured(
+                params, pruning_method=prune.L1Unstructured, amount=0.8, **kwargs))
+    except TypeError as exc:
+        return {"note": f"n/a ({type(exc).__name__}: {str(exc)[:60]})"}
     held_after = reachable_storage_bytes(stack)
     pruned = sum(int((~_mask_of(m)).sum()) for m in stack)
     return {
@@ -371,11 +375,20 @@ class Summary:
 
 
 def _default_report(s: Summary) -> str:
+    labels = [s.cand, s.ref] + [lab for lab in s.runs if lab not in (s.cand, s.ref)]
+    others = [lab for lab in labels if lab != s.ref]
     rows = []
     for key, unit, _lower in s.case.metrics:
-        rows.append([key, unit, s.med(s.cand, key), s.med(s.ref, key), s.ratio(key)])
-    return table(["metric", "unit", f"{s.cand} (median)", f"{s.ref} (median)",
-                  f"{s.ref}/{s.cand}"], rows)
+        ref = s.med(s.ref, key)
+        row = [key, unit] + [s.med(lab, key) for lab in labels]
+        for lab in others:
+            v = s.med(lab, key)
+            row.append(None if v in (None, 0) or ref is None else ref / v)
+        rows.append(row)
+    text = table(["metric", "unit"] + [f"{lab} (median)" for lab in labels]
+                 + [f"{s.ref}/{lab}" for lab in others], rows)
+    notes = [f"   {lab}: {s.first(lab, 'note')}" for lab in labels if s.first(lab, "note")]
+    return "\n".join([text] + notes)
 
 
 def _speed_check(key: str, min_ratio: float) -> Callable[[Summary], list]:
@@ -474,7 +487,9 @@ CASES: dict[str, Case] = {
                  ("retained_x", "x weight bytes", True),
                  ("workspace_x", "x weight bytes", True),
                  ("held_extra_x", "x weight bytes", True)],
-        checks=_global_checks, env=FIXED_MMAP),
+        checks=_global_checks, env=FIXED_MMAP,
+        variants=lambda cand, ref: [(cand, cand, ""), (ref, ref, ""),
+                                    (f"{cand} lean(bool)", cand, "lean")]),
     "ln_structured": Case(
         case_ln_structured, "ln_structured, Linear(4096, 4096), amount=0.5, n=2, dim=0",
         metrics=[("time_s", "s", True)], checks=_speed_check("time_s", 1.0)),
