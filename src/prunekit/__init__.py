@@ -48,17 +48,46 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 
-# name -> submodule, imported on first use so that `import prunekit` needs torch only
-_LAZY = {}
+# name -> submodule, imported on first use: `import prunekit` needs torch only, and the
+# optional extras (safetensors, yaml, ...) are imported when their features are used.
+_LAZY = {
+    # training-aware pruning (prunekit.training)
+    "register_pruners": ".training",
+    "get_pruner": ".training",
+    "Pruner": ".training",
+    "MagnitudePruner": ".training",
+    "SnipPruner": ".training",
+    "SnipMomentumPruner": ".training",
+    "PatternLockPruner": ".training",
+    "PruningConfig": ".training",
+    "prepare_pruning": ".training",
+    "sparsity_report": ".training",
+    # compaction (prunekit.compact)
+    "prune_groups": ".compact",
+    # compressed checkpoints and sparse inference (prunekit.sparse)
+    "save_compressed": ".sparse",
+    "load_compressed": ".sparse",
+    "sparsify_for_inference": ".sparse",
+    "restore_dense": ".sparse",
+    "SparsifyReport": ".sparse",
+    "CorruptCheckpointError": ".sparse",
+}
+_SUBMODULES = {"compact", "training", "sparse", "kernels", "reparam"}
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module("." + name, __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'prunekit' has no attribute {name!r}")
     value = getattr(importlib.import_module(module, __name__), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)
 
 
 __all__ = [
