@@ -15,25 +15,34 @@ import torch
 from torch import Tensor, nn
 
 from . import reparam
+from ._backend import TORCH, backend_of, is_tensor, same_backend
 from .errors import PruningError
 
 __all__ = ["BasePruningMethod", "resolve_mask_dtype"]
 
 
-def resolve_mask_dtype(mask_dtype: Optional[torch.dtype], orig: Tensor, existing: Optional[Tensor]) -> torch.dtype:
-    """The dtype of the stored mask: explicit, else the existing mask's, else the weight's (as torch)."""
+def resolve_mask_dtype(mask_dtype: Optional[Any], orig: Tensor, existing: Optional[Tensor]) -> Any:
+    """The dtype of the stored mask: explicit, else the existing mask's, else the weight's (as torch).
+
+    For a TensorPlay weight a torch dtype (``torch.bool``) is taken as the
+    TensorPlay dtype of the same name.
+    """
+    b = backend_of(orig) or TORCH
     if mask_dtype is not None:
-        if not isinstance(mask_dtype, torch.dtype):
-            raise TypeError(f"mask_dtype must be a torch.dtype such as torch.bool, got {mask_dtype!r}")
-        return mask_dtype
+        if b is TORCH:
+            if not isinstance(mask_dtype, torch.dtype):
+                raise TypeError(f"mask_dtype must be a torch.dtype such as torch.bool, got {mask_dtype!r}")
+            return mask_dtype
+        return b.as_dtype(mask_dtype)
     if existing is not None:
         return existing.dtype
-    return orig.dtype if (orig.is_floating_point() or orig.is_complex()) else torch.get_default_dtype()
+    return orig.dtype if (orig.is_floating_point() or orig.is_complex()) else b.ns.get_default_dtype()
 
 
 def lazy_ones(like: Tensor) -> Tensor:
     """A mask of ones that takes no memory (an expanded scalar); built-in methods understand it."""
-    return torch.ones((), dtype=like.dtype, device=like.device).expand(like.shape)
+    b = backend_of(like) or TORCH
+    return b.ns.ones((), dtype=like.dtype, device=like.device).expand(tuple(like.shape))
 
 
 def is_lazy_ones(mask: Tensor) -> bool:
@@ -110,7 +119,7 @@ class BasePruningMethod(ABC):
                 )
         else:
             importance_scores = t
-        default_mask = default_mask if default_mask is not None else torch.ones_like(t)
+        default_mask = default_mask if default_mask is not None else (backend_of(t) or TORCH).ns.ones_like(t)
         return t * self.compute_mask(importance_scores, default_mask=default_mask)
 
     def remove(self, module: nn.Module) -> None:
@@ -127,7 +136,7 @@ class BasePruningMethod(ABC):
         name: str,
         *args: Any,
         importance_scores: Optional[Tensor] = None,
-        mask_dtype: Optional[torch.dtype] = None,
+        mask_dtype: Optional[Any] = None,
         **kwargs: Any,
     ) -> "BasePruningMethod":
         """Prune ``module.<name>`` with this method and install the reparameterization.
@@ -151,9 +160,10 @@ class BasePruningMethod(ABC):
             raise reparam.with_context(e, module, name) from None
         method._tensor_name = name
         existing = module._buffers[name + "_mask"] if pruned else None
+        b = backend_of(orig) or TORCH
         try:
             out_dtype = resolve_mask_dtype(mask_dtype, orig, existing)
-            with torch.no_grad():
+            with b.no_grad():
                 mask = _compute(method, old, module, name, orig, existing, importance_scores)
                 mask = _as_stored_mask(mask, orig, out_dtype)
         except (ValueError, TypeError, IndexError) as e:
@@ -202,11 +212,13 @@ def _compute(
 ) -> Tensor:
     from .container import combine_masks
 
+    b = backend_of(orig) or TORCH
     if importance_scores is not None:
-        if not isinstance(importance_scores, Tensor):
+        if not is_tensor(importance_scores):
             raise TypeError(
                 f"importance_scores must be a tensor shaped like the parameter, got {type(importance_scores).__name__}"
             )
+        same_backend(b, importance_scores, "importance_scores", f"parameter {name}")
         if importance_scores.shape != orig.shape:
             raise PruningError(
                 f"importance_scores should have the same shape as parameter {name}: "
@@ -214,10 +226,10 @@ def _compute(
             )
     if existing is None:
         scores = importance_scores if importance_scores is not None else orig.detach()
-        default = lazy_ones(orig) if method._lazy_default_ok else torch.ones_like(orig, memory_format=torch.contiguous_format)
+        default = lazy_ones(orig) if method._lazy_default_ok else b.ones_like(orig)
         return method.compute_mask(scores, default_mask=default)
-    float_dtype = orig.dtype if orig.is_floating_point() else torch.get_default_dtype()
-    default = existing.to(dtype=float_dtype, memory_format=torch.contiguous_format, copy=True)
+    float_dtype = orig.dtype if orig.is_floating_point() else b.ns.get_default_dtype()
+    default = existing.to(dtype=float_dtype, memory_format=b.contiguous_format, copy=True)
     if importance_scores is not None:
         scores = importance_scores
     elif method.PRUNING_TYPE == "unstructured":
@@ -228,20 +240,25 @@ def _compute(
     return combine_masks(method, scores, default)
 
 
-def _as_stored_mask(mask: Tensor, orig: Tensor, dtype: torch.dtype) -> Tensor:
+def _as_stored_mask(mask: Tensor, orig: Tensor, dtype: Any) -> Tensor:
     """The mask as it is stored: ``dtype``, the weight's memory format, its own memory."""
-    if not isinstance(mask, Tensor) or mask.shape != orig.shape:
-        shape = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+    b = backend_of(orig) or TORCH
+    if backend_of(mask) is not b or mask.shape != orig.shape:
+        shape = tuple(mask.shape) if is_tensor(mask) else type(mask).__name__
+        if is_tensor(mask) and mask.shape == orig.shape:
+            raise PruningError(
+                f"the computed mask is a {backend_of(mask).name} tensor, expected a {b.name} tensor like the weight"
+            )
         raise PruningError(f"the computed mask has shape {shape}, expected {tuple(orig.shape)}")
     if mask.device != orig.device:
         mask = mask.to(orig.device)
-    fmt = torch.channels_last if (orig.dim() == 4 and orig.is_contiguous(memory_format=torch.channels_last)
-                                  and not orig.is_contiguous()) else torch.contiguous_format
-    if dtype == torch.bool and mask.dtype != torch.bool:
+    cl = orig.dim() == 4 and orig.is_contiguous(memory_format=b.channels_last) and not orig.is_contiguous()
+    fmt = b.channels_last if cl else b.contiguous_format
+    if dtype == b.bool and mask.dtype != b.bool:
         mask = mask != 0
     if (mask.dtype == dtype and mask.is_contiguous(memory_format=fmt) and not is_lazy_ones(mask)
             and mask.data_ptr() != orig.data_ptr()):
         return mask
-    out = torch.empty_like(orig, dtype=dtype, memory_format=fmt)
+    out = b.empty_like(orig, dtype=dtype, channels_last=cl)
     out.copy_(mask)
     return out

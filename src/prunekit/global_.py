@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from . import reparam
+from ._backend import TORCH, FrameworkMismatchError, backend_of, is_module, is_tensor, same_backend
 from .base import BasePruningMethod
 from .container import PruningContainer
 from .errors import PruningError
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 def _check_parameters(parameters: Any) -> List[Tuple[nn.Module, str]]:
-    if not isinstance(parameters, Iterable) or isinstance(parameters, (str, nn.Module, Tensor)):
+    if not isinstance(parameters, Iterable) or isinstance(parameters, str) or is_module(parameters) or is_tensor(parameters):
         raise TypeError(
             "global_unstructured(): parameters must be an iterable of (module, name) tuples, e.g. "
             f"[(model.fc1, 'weight'), (model.fc2, 'weight')]; got {type(parameters).__name__}"
@@ -44,7 +45,7 @@ def _check_parameters(parameters: Any) -> List[Tuple[nn.Module, str]]:
         raise ValueError("global_unstructured(): parameters is empty; pass at least one (module, name) tuple")
     seen = set()
     for i, item in enumerate(pairs):
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], nn.Module) and isinstance(item[1], str)):
+        if not (isinstance(item, tuple) and len(item) == 2 and is_module(item[0]) and isinstance(item[1], str)):
             raise TypeError(
                 f"global_unstructured(): parameters[{i}] is {item!r}; each entry must be a "
                 "(module, name) tuple such as (model.fc1, 'weight')"
@@ -56,6 +57,13 @@ def _check_parameters(parameters: Any) -> List[Tuple[nn.Module, str]]:
                 "list each tensor once"
             )
         seen.add(key)
+    b0 = backend_of(pairs[0][0])
+    for i, (m, n) in enumerate(pairs):
+        if backend_of(m) is not b0:
+            raise FrameworkMismatchError(
+                f"global_unstructured(): parameters[{i}] = ({reparam.describe(m)}, {n!r}) is a {backend_of(m).name} "
+                f"module but parameters[0] is a {b0.name} module; prune each framework's modules in its own call"
+            )
     return pairs
 
 
@@ -64,7 +72,7 @@ def global_unstructured(
     pruning_method: type,
     importance_scores: Optional[Dict[Tuple[nn.Module, str], Tensor]] = None,
     *,
-    mask_dtype: Optional[torch.dtype] = None,
+    mask_dtype: Optional[Any] = None,
     **kwargs: Any,
 ) -> None:
     """Prune the tensors in ``parameters`` together, ranking all their entries at once.
@@ -113,8 +121,10 @@ def global_unstructured(
     for module, name in pairs:
         orig, pruned = reparam.check_prunable(module, name)
         s = importance_scores.get((module, name))
-        if s is not None and (not isinstance(s, Tensor) or s.shape != orig.shape):
-            got = tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__
+        if s is not None:
+            same_backend(backend_of(orig) or TORCH, s, "importance_scores", f"global_unstructured(): {reparam.describe(module, name)}")
+        if s is not None and (not is_tensor(s) or s.shape != orig.shape):
+            got = tuple(s.shape) if is_tensor(s) else type(s).__name__
             raise PruningError(
                 f"{reparam.describe(module, name)}: importance_scores has shape {got}, expected {tuple(orig.shape)}"
             )
@@ -122,7 +132,7 @@ def global_unstructured(
         masks.append(module._buffers[name + "_mask"] if pruned else None)
         scores.append(s)
 
-    with torch.no_grad():
+    with (backend_of(origs[0]) or TORCH).no_grad():
         if type(method) is L1Unstructured or (
             isinstance(method, L1Unstructured) and type(method).compute_mask is L1Unstructured.compute_mask
         ):
@@ -160,12 +170,13 @@ def _l1_masks(method: L1Unstructured, pairs, origs, masks, scores) -> List[Tenso
 def _generic_masks(method: BasePruningMethod, pairs, origs, masks, scores) -> List[Tensor]:
     # torch's own procedure (concatenate, run the container), for methods
     # whose results must match torch's draw for draw.
-    flat_scores = torch.cat([
+    b = backend_of(origs[0]) or TORCH
+    flat_scores = b.ns.cat([
         (s if s is not None else (o.detach() if m is None else o.detach() * m)).reshape(-1)
         for s, o, m in zip(scores, origs, masks)
     ])
-    flat_default = torch.cat([
-        (torch.ones_like(o) if m is None else m.to(o.dtype)).reshape(-1) for o, m in zip(origs, masks)
+    flat_default = b.ns.cat([
+        (b.ns.ones_like(o) if m is None else m.to(o.dtype)).reshape(-1) for o, m in zip(origs, masks)
     ])
     container = PruningContainer()
     container._tensor_name = "temp"

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from . import reparam
+from ._backend import TORCH, backend_of, is_tensor, same_backend
 from .base import BasePruningMethod, is_lazy_ones
 from .errors import PruningError
 from .kernels.amount import (
@@ -97,11 +98,12 @@ class RandomUnstructured(BasePruningMethod):
         tensor_size = t.numel()
         nparams_toprune = compute_nparams_to_prune(self.amount, tensor_size)
         validate_pruning_amount(nparams_toprune, tensor_size)
-        mask = default_mask.clone(memory_format=torch.contiguous_format)
+        b = backend_of(t) or TORCH
+        mask = default_mask.clone(memory_format=b.contiguous_format)
         if nparams_toprune != 0:
-            prob = torch.rand_like(t, memory_format=torch.contiguous_format)
-            topk = torch.topk(prob.view(-1), k=nparams_toprune)
-            mask.view(-1)[topk.indices] = 0
+            prob = b.ns.rand_like(t) if b is not TORCH else torch.rand_like(t, memory_format=torch.contiguous_format)
+            indices = b.topk(prob.reshape(-1), k=nparams_toprune)[1]
+            mask.view(-1)[indices] = 0
         return mask
 
     @classmethod
@@ -164,9 +166,12 @@ class RandomStructured(BasePruningMethod):
         validate_pruning_amount(nparams_toprune, tensor_size)
         if nparams_toprune == 0:
             return default_mask
-        prob = torch.rand(tensor_size)  # CPU draw, as torch does
-        threshold = torch.kthvalue(prob, k=nparams_toprune).values
-        keep = (prob > threshold).to(t.device)
+        b = backend_of(t) or TORCH
+        prob = b.ns.rand(tensor_size)  # CPU draw, as torch does
+        threshold = b.kthvalue(prob, nparams_toprune)[0]
+        keep = prob > threshold
+        if keep.device != t.device:
+            keep = keep.to(t.device)
         return _with_keep(default_mask, _channel_mask(keep, t, dim))
 
     @classmethod
@@ -202,15 +207,17 @@ class LnStructured(BasePruningMethod):
         validate_pruning_amount(nparams_toprune, tensor_size)
         if nparams_toprune == 0:
             return default_mask
+        b = backend_of(t) or TORCH
         norm = channel_norms(t, self.n, dim)
-        if torch.isnan(norm).any():
+        nan = norm.isnan()
+        if bool(nan.any()):
             raise ValueError(
-                f"{int(torch.isnan(norm).sum())} channel norm(s) are NaN (NaN in the weights or scores); "
-                "no channel order exists. Replace NaN first (e.g. torch.nan_to_num)"
+                f"{int(nan.sum())} channel norm(s) are NaN (NaN in the weights or scores); "
+                f"no channel order exists. Replace NaN first (e.g. {b.name}.nan_to_num)"
             )
-        topk = torch.topk(norm, k=tensor_size - nparams_toprune, largest=True)
-        keep = torch.zeros(tensor_size, dtype=torch.bool, device=t.device)
-        keep[topk.indices] = True
+        indices = b.topk(norm, k=tensor_size - nparams_toprune, largest=True)[1]
+        keep = b.ns.zeros(tensor_size, dtype=b.bool, device=t.device)
+        keep[indices] = True
         return _with_keep(default_mask, _channel_mask(keep, t, dim))
 
     @classmethod
@@ -226,8 +233,8 @@ class CustomFromMask(BasePruningMethod):
     PRUNING_TYPE = "global"
 
     def __init__(self, mask: Tensor) -> None:
-        if not isinstance(mask, Tensor):
-            raise TypeError(f"mask must be a torch.Tensor of 0s and 1s, got {type(mask).__name__}")
+        if not is_tensor(mask):
+            raise TypeError(f"mask must be a tensor (torch or tensorplay) of 0s and 1s, got {type(mask).__name__}")
         self.mask = mask
 
     def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
@@ -237,6 +244,7 @@ class CustomFromMask(BasePruningMethod):
             raise PruningError(
                 f"default_mask shape {tuple(default_mask.shape)} must match mask shape {tuple(self.mask.shape)}"
             )
+        same_backend(backend_of(default_mask) or TORCH, self.mask, "mask", "custom_from_mask")
         return default_mask * self.mask.to(dtype=default_mask.dtype, device=default_mask.device)
 
     def _release(self) -> None:

@@ -35,6 +35,8 @@ from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from ._backend import TORCH, Backend, backend_of, backend_of_class, is_module, is_tensor
+
 __all__ = [
     "base_class",
     "describe",
@@ -52,7 +54,7 @@ _CLASSES: Dict[Tuple[type, FrozenSet[str]], type] = {}
 # --------------------------------------------------------------------- naming
 def describe(module: Any, name: Optional[str] = None) -> str:
     """A short label for error messages: ``Linear(in=64, out=32).weight [32, 64] float32``."""
-    label = base_class(module).__name__ if isinstance(module, nn.Module) else type(module).__name__
+    label = base_class(module).__name__ if is_module(module) else type(module).__name__
     extra = getattr(module, "extra_repr", lambda: "")()
     if extra and len(extra) < 60:
         label += f"({extra})"
@@ -60,8 +62,8 @@ def describe(module: Any, name: Optional[str] = None) -> str:
         return label
     label += f".{name}"
     t = _current_tensor(module, name)
-    if isinstance(t, Tensor):
-        label += f" {list(t.shape)} {str(t.dtype).replace('torch.', '')}"
+    if is_tensor(t):
+        label += f" {list(t.shape)} {Backend.dtype_label(t.dtype)}"
     return label
 
 
@@ -102,13 +104,14 @@ def _class_for(base: type, names: FrozenSet[str]) -> type:
         namespace: Dict[str, Any] = {
             "_prunekit_base": base,
             "_prunekit_names": names,
+            "_prunekit_backend": backend_of_class(base) or TORCH,
             "__module__": base.__module__,
             "__qualname__": base.__qualname__,
             "__doc__": base.__doc__,
             "__reduce_ex__": _reduce_ex,
         }
         for name in names:
-            namespace[name] = _masked_property(name)
+            namespace[name] = _masked_property(name, namespace["_prunekit_backend"])
         cls = type(base.__name__, (base,), namespace)
         _CLASSES[key] = cls
     return cls
@@ -136,15 +139,18 @@ def _rebuild(base: type, names: Tuple[str, ...]) -> nn.Module:
 class _CacheEntry:
     __slots__ = ("orig", "orig_version", "orig_ptr", "mask", "mask_version", "mask_ptr", "value")
 
-    def __init__(self, orig: Tensor, mask: Tensor, value: Tensor) -> None:
-        self.orig, self.orig_version, self.orig_ptr = weakref.ref(orig), orig._version, orig.data_ptr()
-        self.mask, self.mask_version, self.mask_ptr = weakref.ref(mask), mask._version, mask.data_ptr()
+    def __init__(self, orig: Tensor, mask: Tensor, value: Tensor, b: Backend) -> None:
+        self.orig, self.orig_version, self.orig_ptr = weakref.ref(orig), b.version(orig), orig.data_ptr()
+        self.mask, self.mask_version, self.mask_ptr = weakref.ref(mask), b.version(mask), mask.data_ptr()
         self.value = value
 
     def fresh(self, orig: Tensor, mask: Tensor) -> bool:
+        # a tensor without a version counter (None) can change unseen: never reuse then
         return (
             self.orig() is orig
             and self.mask() is mask
+            and self.orig_version is not None
+            and self.mask_version is not None
             and orig._version == self.orig_version
             and mask._version == self.mask_version
             and orig.data_ptr() == self.orig_ptr
@@ -157,8 +163,8 @@ def masked_product(orig: Tensor, mask: Tensor) -> Tensor:
     return orig * mask
 
 
-def _masked_value(module: nn.Module, name: str, orig: Tensor, mask: Tensor) -> Tensor:
-    if torch.is_grad_enabled() and (orig.requires_grad or mask.requires_grad):
+def _masked_value(module: nn.Module, name: str, orig: Tensor, mask: Tensor, b: Backend = TORCH) -> Tensor:
+    if b.is_grad_enabled() and (orig.requires_grad or mask.requires_grad):
         return masked_product(orig, mask)
     cache = module.__dict__.get(_CACHE)
     if cache is None:
@@ -166,27 +172,27 @@ def _masked_value(module: nn.Module, name: str, orig: Tensor, mask: Tensor) -> T
     entry = cache.get(name)
     if entry is not None and entry.fresh(orig, mask):
         return entry.value
-    if torch.is_inference_mode_enabled():
+    if b.is_inference_mode_enabled():
         # cache a normal tensor, usable outside inference mode too
-        with torch.inference_mode(False), torch.no_grad():
+        with b.inference_mode(False), b.no_grad():
             value = masked_product(orig, mask)
     else:
-        with torch.no_grad():
+        with b.no_grad():
             value = masked_product(orig, mask)
-    cache[name] = _CacheEntry(orig, mask, value)
+    cache[name] = _CacheEntry(orig, mask, value, b)
     return value
 
 
-def _masked_property(name: str) -> property:
+def _masked_property(name: str, b: Backend = TORCH) -> property:
     orig_key, mask_key = name + "_orig", name + "_mask"
 
     def fget(self: nn.Module) -> Tensor:
-        return _masked_value(self, name, self._parameters[orig_key], self._buffers[mask_key])
+        return _masked_value(self, name, self._parameters[orig_key], self._buffers[mask_key], b)
 
     def fset(self: nn.Module, value: Any) -> None:
         raise AttributeError(
             f"{describe(self, name)} is pruned: it is computed as {orig_key} * {mask_key}. "
-            f"Write into module.{orig_key} (e.g. `with torch.no_grad(): module.{orig_key}.copy_(value)`) "
+            f"Write into module.{orig_key} (e.g. `with {b.name}.no_grad(): module.{orig_key}.copy_(value)`) "
             f"or call prunekit.remove(module, {name!r}) first"
         )
 
@@ -195,7 +201,7 @@ def _masked_property(name: str) -> property:
 
 def current_value(module: nn.Module, name: str) -> Tensor:
     """The pruned tensor's value, computed without touching the cache (no grad)."""
-    with torch.no_grad():
+    with (backend_of(module) or TORCH).no_grad():
         return masked_product(module._parameters[name + "_orig"], module._buffers[name + "_mask"])
 
 
@@ -223,6 +229,8 @@ def find_hook(module: nn.Module, name: str) -> Tuple[Optional[int], Any]:
 
 
 def _torch_pruned(module: nn.Module, name: str) -> bool:
+    if not isinstance(module, nn.Module):
+        return False  # only torch modules can carry torch.nn.utils.prune hooks
     from torch.nn.utils import prune as torch_prune
 
     return any(
@@ -233,9 +241,9 @@ def _torch_pruned(module: nn.Module, name: str) -> bool:
 
 def check_prunable(module: Any, name: Any) -> Tuple[Tensor, bool]:
     """Validate ``(module, name)``; return the tensor (``name_orig`` once pruned) and whether it is pruned."""
-    if not isinstance(module, nn.Module):
+    if not is_module(module):
         raise TypeError(
-            f"expected an nn.Module to prune, got {type(module).__name__}; "
+            f"expected an nn.Module (torch.nn or tensorplay.nn) to prune, got {type(module).__name__}; "
             "pass the layer that owns the tensor, e.g. prunekit.l1_unstructured(model.fc, 'weight', 0.3)"
         )
     if not isinstance(name, str):
@@ -335,19 +343,20 @@ def remove(module: nn.Module, name: str) -> nn.Module:
         >>> sorted(n for n, _ in m.named_parameters()), int((m.weight == 0).sum())
         (['bias', 'weight'], 7)
     """
-    key, method = find_hook(module, name) if isinstance(module, nn.Module) else (None, None)
+    key, method = find_hook(module, name) if is_module(module) else (None, None)
     if method is None or name not in pruned_names(module):
         raise ValueError(
-            f"Parameter '{name}' of module {describe(module) if isinstance(module, nn.Module) else module!r} "
+            f"Parameter '{name}' of module {describe(module) if is_module(module) else module!r} "
             "has to be pruned before pruning can be removed"
         )
     orig = module._parameters[name + "_orig"]
     mask = module._buffers[name + "_mask"]
-    with torch.no_grad():
-        if mask.dtype == torch.bool:
+    b = backend_of(module) or TORCH
+    with b.no_grad():
+        if mask.dtype == b.bool:
             orig.masked_fill_(~mask, 0)
         else:
-            orig.mul_(mask)
+            b.mul_(orig, mask)
     del module._forward_pre_hooks[key]
     _set_names(module, pruned_names(module) - {name})
     del module._parameters[name + "_orig"]

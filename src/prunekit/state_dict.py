@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from . import reparam
+from ._backend import TORCH, backend_of, is_module, is_tensor
 from .base import BasePruningMethod
 
 __all__ = ["StateDictMismatchError", "dense_state_dict", "load_state_dict"]
@@ -39,7 +40,7 @@ def dense_state_dict(source: Union[nn.Module, Mapping[str, Tensor]]) -> "Ordered
         >>> torch.nn.Linear(4, 2).load_state_dict(sd)
         <All keys matched successfully>
     """
-    sd = source.state_dict() if isinstance(source, nn.Module) else source
+    sd = source.state_dict() if is_module(source) else source
     if not isinstance(sd, Mapping):
         raise TypeError(f"dense_state_dict() takes a module or a state dict, got {type(source).__name__}")
     out: "OrderedDict[str, Tensor]" = OrderedDict()
@@ -47,8 +48,9 @@ def dense_state_dict(source: Union[nn.Module, Mapping[str, Tensor]]) -> "Ordered
         if key.endswith("_orig") and key[:-5] + "_mask" in sd:
             base = key[:-5]
             mask = sd[base + "_mask"]
-            with torch.no_grad():
-                out[base] = value * mask.to(value.dtype) if mask.dtype != torch.bool else value.masked_fill(~mask, 0)
+            b = backend_of(value) or TORCH
+            with b.no_grad():
+                out[base] = value * mask.to(value.dtype) if mask.dtype != b.bool else value.masked_fill(~mask, 0)
         elif key.endswith("_mask") and key[:-5] + "_orig" in sd:
             continue
         else:
@@ -79,7 +81,7 @@ def load_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], strict: 
     """
     from .methods import custom_from_mask
 
-    if not isinstance(model, nn.Module):
+    if not is_module(model):
         raise TypeError(f"load_state_dict() needs an nn.Module, got {type(model).__name__}")
     sd: Dict[str, Tensor] = dict(state_dict)
     modules = dict(model.named_modules())
@@ -116,7 +118,7 @@ def _check_fits(model: nn.Module, sd: Mapping[str, Tensor], strict: bool) -> Non
     missing = [k for k in target if k not in sd] if strict else []
     unexpected = [k for k in sd if k not in target] if strict else []
     shapes = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(target[k].shape)}"
-              for k in sd if k in target and isinstance(sd[k], Tensor) and sd[k].shape != target[k].shape]
+              for k in sd if k in target and is_tensor(sd[k]) and sd[k].shape != target[k].shape]
     if missing or unexpected or shapes:
         parts = []
         if missing:

@@ -23,8 +23,9 @@ import math
 import numbers
 from typing import Union
 
-import torch
 from torch import Tensor
+
+from .._backend import TORCH, backend_of
 
 __all__ = ["NormOrder", "channel_norms", "validate_norm_order"]
 
@@ -65,15 +66,17 @@ def channel_norms(t: Tensor, n: NormOrder, dim: int) -> Tensor:
         [3.0, 0.0]
     """
     validate_norm_order(n)
+    b = backend_of(t) or TORCH
     dim = dim % t.dim()
     x = t.detach()
     if not x.is_floating_point():
-        x = x.to(torch.get_default_dtype())
+        x = x.to(b.ns.get_default_dtype())
     if n == "nuc":
         c = x.movedim(dim, 0)
         mat = c.reshape(c.shape[0], c.shape[1] if c.dim() > 1 else 1, -1)
-        return torch.linalg.matrix_norm(mat, ord="nuc")
+        return b.matrix_nuclear_norm(mat)
     order = 2.0 if n == "fro" else float(n)
     other = [d for d in range(x.dim()) if d != dim]
-    # the same reduction torch.norm runs, so equal inputs give bit-equal norms
-    return torch.linalg.vector_norm(x, ord=order, dim=other)
+    # torch: the same reduction torch.norm runs, so equal inputs give bit-equal norms;
+    # TensorPlay: the backend's fast path for several dims
+    return b.vector_norm(x, order, other)

@@ -22,10 +22,12 @@ rejected with a ``ValueError``; ``inf`` ranks as the largest magnitude.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from .._backend import TORCH, Backend, backend_of
 
 __all__ = ["NaNScoresError", "keep_mask_smallest", "keep_mask_smallest_multi", "magnitude_keys"]
 
@@ -41,13 +43,14 @@ _HIST_BITS = 15
 _SMALL = 1 << 16  # below this many entries a plain kthvalue is cheaper than a histogram
 
 
-def _key_space(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+def _key_space(dtypes: Sequence[Any], b: Backend = TORCH) -> Any:
     """float32 keys when every score fits float32 exactly, else float64 keys."""
-    narrow = (torch.float32, torch.float16, torch.bfloat16)
-    return torch.float32 if all(d in narrow for d in dtypes) else torch.float64
+    xp = b.ns
+    narrow = (xp.float32, xp.float16, xp.bfloat16)
+    return xp.float32 if all(d in narrow for d in dtypes) else xp.float64
 
 
-def magnitude_keys(scores: Tensor, space: torch.dtype = torch.float32) -> Tensor:
+def magnitude_keys(scores: Tensor, space: Any = None) -> Tensor:
     """Contiguous integer keys that order exactly like ``|scores|``.
 
     Example:
@@ -56,22 +59,25 @@ def magnitude_keys(scores: Tensor, space: torch.dtype = torch.float32) -> Tensor
         >>> k.argsort().tolist()
         [1, 2, 0]
     """
-    if scores.dtype.is_complex or scores.dtype == torch.bool:
+    b = backend_of(scores) or TORCH
+    if space is None:
+        space = b.float32
+    if scores.dtype.is_complex or scores.dtype == b.bool:
         raise TypeError(
-            f"magnitude ranking needs real numbers, got a tensor of dtype {scores.dtype}; "
+            f"magnitude ranking needs real numbers, got a tensor of dtype {b.dtype_label(scores.dtype)}; "
             "pass real-valued importance_scores (e.g. scores.abs() for complex values)"
         )
     x = scores.detach()
     if x.dtype != space:
         x = x.to(space)
     x = x.contiguous()
-    if space == torch.float32:
-        return x.view(torch.int32).bitwise_and(0x7FFFFFFF)
-    return x.view(torch.int64).bitwise_and(0x7FFFFFFFFFFFFFFF)
+    if space == b.float32:
+        return x.view(b.int32).bitwise_and(0x7FFFFFFF)
+    return x.view(b.int64).bitwise_and(0x7FFFFFFFFFFFFFFF)
 
 
-def _finite_check(keys: Tensor, index: int) -> None:
-    inf_key = 0x7F800000 if keys.dtype == torch.int32 else 0x7FF0000000000000
+def _finite_check(keys: Tensor, index: int, b: Backend) -> None:
+    inf_key = 0x7F800000 if keys.dtype == b.int32 else 0x7FF0000000000000
     if keys.numel() and int(keys.max()) > inf_key:
         raise NaNScoresError(
             f"scores contain {int((keys > inf_key).sum())} NaN value(s); NaN has no magnitude order, "
@@ -81,8 +87,8 @@ def _finite_check(keys: Tensor, index: int) -> None:
         )
 
 
-def _shift(keys: Tensor) -> int:
-    return (31 if keys.dtype == torch.int32 else 63) - _HIST_BITS
+def _shift(keys: Tensor, b: Backend) -> int:
+    return (31 if keys.dtype == b.int32 else 63) - _HIST_BITS
 
 
 def keep_mask_smallest_multi(
@@ -107,16 +113,17 @@ def keep_mask_smallest_multi(
     n_total = sum(s.numel() for s in scores)
     if not 0 <= k <= n_total:
         raise ValueError(f"cannot select k={k} entries out of {n_total}")
-    space = _key_space([s.dtype for s in scores])
+    b = (backend_of(scores[0]) if scores else None) or TORCH
+    space = _key_space([s.dtype for s in scores], b)
     eligible = list(eligible) if eligible is not None else [None] * len(scores)
 
     def keys_of(i: int, check: bool = False) -> Tensor:
         key = magnitude_keys(scores[i], space).reshape(-1)
         if check:
-            _finite_check(key, i)
+            _finite_check(key, i, b)
         e = eligible[i]
         if e is not None:
-            key.masked_fill_(~e.reshape(-1).to(torch.bool), torch.iinfo(key.dtype).max)
+            key.masked_fill_(~e.reshape(-1).to(b.bool), b.ns.iinfo(key.dtype).max)
         return key
 
     # With one tensor the keys are kept between passes; with many they are
@@ -133,9 +140,9 @@ def keep_mask_smallest_multi(
             yield cached[i] if cached is not None else keys_of(i)
 
     if k == 0:
-        return [torch.ones(s.shape, dtype=torch.bool, device=s.device) for s in scores]
+        return [b.ns.ones(tuple(s.shape), dtype=b.bool, device=s.device) for s in scores]
 
-    threshold, n_tied_to_prune = _kth_key(key_iter, k, n_total)
+    threshold, n_tied_to_prune = _kth_key(key_iter, k, n_total, b)
 
     keep: List[Tensor] = []
     tie_budget = n_tied_to_prune
@@ -150,23 +157,24 @@ def keep_mask_smallest_multi(
     return keep
 
 
-def _kth_key(key_iter, k: int, n_total: int):
+def _kth_key(key_iter, k: int, n_total: int, b: Backend):
     """The k-th smallest key (1-based) and, if ties straddle it, how many tied keys to prune."""
+    xp = b.ns
     if n_total <= _SMALL:
-        allk = torch.cat(list(key_iter()))
-        threshold = allk.kthvalue(k).values
+        allk = xp.cat(list(key_iter()))
+        threshold = b.kthvalue(allk, k)[0]
         n_lt = int((allk < threshold).sum())
         n_eq = int((allk == threshold).sum())
     else:
         hist = None
         for key in key_iter():
-            h = torch.bincount(key >> _shift(key), minlength=1 << (_HIST_BITS + 1))
+            h = xp.bincount(key >> _shift(key, b), minlength=1 << (_HIST_BITS + 1))
             hist = h if hist is None else hist + h
         cum = hist.cumsum(0)
-        bucket = int(torch.searchsorted(cum, torch.tensor(k, dtype=cum.dtype)))
+        bucket = int(xp.searchsorted(cum, xp.tensor(k, dtype=cum.dtype)))
         below = int(cum[bucket - 1]) if bucket > 0 else 0
-        cands = torch.cat([key[(key >> _shift(key)) == bucket] for key in key_iter()])
-        threshold = cands.kthvalue(k - below).values
+        cands = xp.cat([key[(key >> _shift(key, b)) == bucket] for key in key_iter()])
+        threshold = b.kthvalue(cands, k - below)[0]
         n_lt = below + int((cands < threshold).sum())
         n_eq = int((cands == threshold).sum())
     need = k - n_lt  # how many keys equal to the threshold must be pruned (1..n_eq)
