@@ -9,7 +9,7 @@ import prunekit
 
 
 def test_every_public_torch_name_exists_in_prunekit():
-    torch_names = [n for n in dir(tprune) if not n.startswith("__") and callable(getattr(tprune, n))
+    torch_names = [n for n in dir(tprune) if not n.startswith("_") and callable(getattr(tprune, n))
                    and getattr(getattr(tprune, n), "__module__", "") == tprune.__name__]
     missing = [n for n in torch_names if not hasattr(prunekit, n)]
     assert missing == []
