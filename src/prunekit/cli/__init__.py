@@ -1,0 +1,109 @@
+"""The ``prunekit`` command (also ``python -m prunekit``).
+
+Subcommands: ``demo``, ``inspect``, ``prune``, ``compact``, ``sparsify``; each has
+``--help`` with examples and ``--json`` for machine-readable output. Exit codes:
+0 success, 1 failure while working, 2 bad arguments (missing file, unknown
+method, amount outside [0, 1], a pickle without ``--trust-pickle``), 130
+interrupted. Errors are one line on stderr; ``--debug`` shows the traceback.
+
+Needs ``rich`` for tables and progress bars (``pip install prunekit[cli]``);
+without it the output is plain text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import List, Optional
+
+from ._common import FAILURE, USAGE_ERROR, CliError, Parser, first_line
+
+__all__ = ["main", "build_parser"]
+
+_EPILOG = """\
+examples:
+  prunekit demo                       train, prune and compare on scikit-learn's digits (< 3 min)
+  prunekit demo --quick --out /tmp/d  the same in ~30 s
+  prunekit inspect model.safetensors  per-layer sparsity of a checkpoint
+  prunekit prune --model torchvision.models:resnet18 --weights r18.pt \\
+                 --method global_magnitude --amount 0.8 --out r18-80.safetensors
+  prunekit compact --model mypkg.nets:make_cnn --weights cnn.pt --input-shape 1,3,32,32 \\
+                 --amount 0.5 --out cnn-small.pt
+  prunekit sparsify --model mypkg.nets:make_cnn --weights cnn-90.safetensors --input-shape 8,3,32,32
+
+exit codes: 0 ok, 1 failed while working, 2 bad arguments.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``prunekit`` command."""
+    from . import _compact, _demo, _inspect, _prune, _sparsify
+
+    parser = Parser(
+        prog="prunekit",
+        description="Prune PyTorch models: inspect checkpoints, prune, compact, sparsify, and a demo.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from prunekit import __version__
+
+    parser.add_argument("--version", action="version", version=f"prunekit {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    for mod in (_demo, _inspect, _prune, _compact, _sparsify):
+        mod.add_parser(sub)
+    return parser
+
+
+def _setup_logging(verbose: int) -> None:
+    level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("prunekit")
+    for h in list(root.handlers):
+        if getattr(h, "_prunekit_cli", False):
+            root.removeHandler(h)
+    handler._prunekit_cli = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the command with ``argv`` (default: ``sys.argv[1:]``); returns the exit code.
+
+    Example:
+        >>> from prunekit.cli import main
+        >>> main(["inspect", "no-such-file.pt"])  # doctest: +SKIP
+        2
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:  # --help / --version
+            return int(e.code or 0) if not isinstance(e.code, str) else USAGE_ERROR
+        if args.command is None:
+            parser.print_help()
+            return USAGE_ERROR
+        _setup_logging(args.verbose)
+        return int(args.func(args) or 0)
+    except CliError as e:
+        if debug:
+            raise
+        print(f"prunekit: error: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        print("prunekit: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return FAILURE
+    except Exception as e:  # a failure while working: one line, the traceback only with --debug
+        if debug:
+            raise
+        print(f"prunekit: error: {type(e).__name__}: {first_line(e)} (rerun with --debug for the traceback)",
+              file=sys.stderr)
+        return FAILURE

@@ -1,0 +1,266 @@
+"""Shared pieces of the ``prunekit`` command: errors, argument parsing, loading, output."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import math
+import os
+import sys
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+USAGE_ERROR = 2
+FAILURE = 1
+
+
+class CliError(Exception):
+    """A failure the command reports as one line; ``code`` 2 for bad arguments, 1 otherwise."""
+
+    def __init__(self, message: str, code: int = USAGE_ERROR) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument as one line (exit code 2) instead of usage + message."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise CliError(f"{message} (see '{self.prog} --help')", USAGE_ERROR)
+
+
+# ----------------------------------------------------------------------------- argument types
+def amount_type(text: str) -> float:
+    """A sparsity amount: a fraction in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"amount {text!r} is not a number; write a fraction such as 0.5") from None
+    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(
+            f"amount {text} is out of range; write the fraction of weights to prune, in [0, 1], e.g. 0.5"
+        )
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be an integer >= 1")
+    return value
+
+
+def shape_type(text: str) -> Tuple[int, ...]:
+    """An input shape such as ``1,3,32,32`` (or ``1x3x32x32``)."""
+    parts = text.replace("x", ",").replace(" ", "").split(",")
+    try:
+        shape = tuple(int(p) for p in parts if p != "")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"input shape {text!r}: write integers separated by commas, e.g. 1,3,32,32") from None
+    if not shape or any(s < 1 for s in shape):
+        raise argparse.ArgumentTypeError(f"input shape {text!r}: write positive integers, e.g. 1,3,32,32")
+    return shape
+
+
+def existing_file(path: str, what: str = "file") -> str:
+    if not os.path.exists(path):
+        raise CliError(f"{what} not found: {path}")
+    if os.path.isdir(path):
+        raise CliError(f"{what} {path} is a directory; give a file")
+    return path
+
+
+def writable_path(path: str, what: str = "output") -> str:
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise CliError(f"{what} folder does not exist: {parent}")
+    if os.path.isdir(path):
+        raise CliError(f"{what} {path} is a directory; give a file name")
+    return path
+
+
+# ----------------------------------------------------------------------------- loading models
+def load_factory(spec: str, kwargs_json: Optional[str] = None) -> Any:
+    """Build the model from ``package.module:function`` or ``path/to/file.py:function``."""
+    from torch import nn
+
+    if ":" not in spec:
+        raise CliError(f"--model {spec!r}: write 'package.module:function' or 'path/to/file.py:function'")
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise CliError(f"--model {spec!r}: write 'package.module:function' or 'path/to/file.py:function'")
+    kwargs: Dict[str, Any] = {}
+    if kwargs_json:
+        try:
+            kwargs = json.loads(kwargs_json)
+        except json.JSONDecodeError as e:
+            raise CliError(f"--model-kwargs is not valid JSON ({e.msg}); write e.g. '{{\"num_classes\": 10}}'") from None
+        if not isinstance(kwargs, dict):
+            raise CliError("--model-kwargs must be a JSON object, e.g. '{\"num_classes\": 10}'")
+    try:
+        if target.endswith(".py") or os.sep in target:
+            if not os.path.isfile(target):
+                raise CliError(f"--model: no such file: {target}")
+            name = "_prunekit_factory_" + os.path.splitext(os.path.basename(target))[0]
+            spec_ = importlib.util.spec_from_file_location(name, target)
+            if spec_ is None or spec_.loader is None:
+                raise CliError(f"--model: cannot import {target}")
+            module = importlib.util.module_from_spec(spec_)
+            sys.modules[name] = module
+            spec_.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except CliError:
+        raise
+    except ImportError as e:
+        raise CliError(f"--model {spec!r}: cannot import {target!r} ({e})") from None
+    factory = module
+    for part in attr.split("."):
+        if not hasattr(factory, part):
+            raise CliError(f"--model {spec!r}: {target!r} has no attribute {part!r}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise CliError(f"--model {spec!r}: {attr!r} is not callable")
+    try:
+        model = factory(**kwargs)
+    except TypeError as e:
+        raise CliError(f"--model {spec!r}: calling {attr}(**{kwargs}) failed: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise CliError(f"--model {spec!r}: {attr}() returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def load_weights(model: Any, path: Optional[str], trust_pickle: bool) -> Optional[str]:
+    """Load a weights file into ``model`` (dense or pruned, either way); returns the file's kind."""
+    if path is None:
+        return None
+    import prunekit
+    from prunekit.report import UnsafeCheckpointError, read_checkpoint
+
+    existing_file(path, "weights file")
+    try:
+        sd, kind = read_checkpoint(path, trust_pickle=trust_pickle)
+    except UnsafeCheckpointError as e:
+        raise CliError(str(e)) from None
+    except (ValueError, OSError) as e:
+        raise CliError(f"cannot read weights {path}: {_first_line(e)}") from None
+    try:
+        prunekit.load_state_dict(model, sd)
+    except (ValueError, RuntimeError, TypeError) as e:
+        raise CliError(f"weights {path} do not fit the model: {_first_line(e)}") from None
+    return kind
+
+
+def example_input(shape: Sequence[int]) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(*shape, generator=g)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+first_line = _first_line
+
+
+# ----------------------------------------------------------------------------- output
+def console(stderr: bool = False) -> Any:
+    """A rich console (None when rich is not installed); wide enough for tables when piped."""
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() else 160
+    return Console(file=stream, width=width, highlight=False, soft_wrap=False)
+
+
+def print_table(title: str, columns: List[str], rows: List[List[str]], footer: Optional[List[str]] = None,
+                justify: Optional[List[str]] = None) -> None:
+    """A table on stdout: rich when available, aligned plain text otherwise."""
+    con = console()
+    justify = justify or (["left"] + ["right"] * (len(columns) - 1))
+    if con is not None:
+        from rich.table import Table
+
+        table = Table(title=title, show_footer=footer is not None, title_justify="left")
+        for i, c in enumerate(columns):
+            table.add_column(c, justify=justify[i], footer=(footer[i] if footer else ""), no_wrap=True)
+        for r in rows:
+            table.add_row(*r)
+        con.print(table)
+        return
+    body = [columns] + rows + ([footer] if footer else [])
+    widths = [max(len(str(r[i])) for r in body) for i in range(len(columns))]
+    print(title)
+    for r in body:
+        print("  ".join(str(c).ljust(w) if justify[i] == "left" else str(c).rjust(w)
+                        for i, (c, w) in enumerate(zip(r, widths))))
+
+
+def say(text: str) -> None:
+    con = console()
+    if con is not None:
+        con.print(text)
+    else:
+        print(text)
+
+
+def emit_json(data: Mapping[str, Any]) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=_json_default) + "\n")
+    sys.stdout.flush()
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, tuple):
+        return list(o)
+    if hasattr(o, "item"):
+        return o.item()
+    return str(o)
+
+
+def pct(x: Optional[float], digits: int = 1) -> str:
+    return "-" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def human_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    if n < 1024 ** 2:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n / 1024 ** 2:.2f} MiB"
+
+
+def human_count(n: float) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}G"
+    if n >= 1e6:
+        return f"{n / 1e6:.2f}M"
+    if n >= 1e3:
+        return f"{n / 1e3:.1f}k"
+    return f"{int(n)}"
+
+
+def print_report(report: Any, title: str) -> None:
+    """The per-layer sparsity table of a :class:`prunekit.report.ModelReport`."""
+    cols = ["layer", "shape", "sparsity", "zero channels", "2:4 fit", "4x1 blocks zero", "mask"]
+    rows = []
+    for e in report.layers:
+        rows.append([
+            e.name, "x".join(str(s) for s in e.shape), pct(e.sparsity),
+            f"{e.zero_channels}/{e.channels}", pct(e.fits_2_4), pct(e.block_4x1_sparsity), "yes" if e.masked else "",
+        ])
+    footer = [
+        f"total ({len(report.layers)} weights)", f"{human_count(report.numel_layers)} el.", pct(report.sparsity_layers),
+        f"{report.zero_channels}/{report.channels}", pct(report.fits_2_4), pct(report.block_4x1_sparsity), "",
+    ]
+    print_table(title, cols, rows, footer, ["left", "right", "right", "right", "right", "right", "left"])
+    say(f"all tensors: {report.numel_all:,} elements, {report.nonzero_all:,} non-zero "
+        f"({pct(report.sparsity_all)} sparse)")

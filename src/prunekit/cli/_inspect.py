@@ -1,0 +1,54 @@
+"""``prunekit inspect CHECKPOINT``: per-layer sparsity of a checkpoint file."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from ._common import CliError, emit_json, existing_file, first_line, human_bytes, print_report, say
+
+_EPILOG = """\
+examples:
+  prunekit inspect model.pt                       a state dict saved with torch.save (read with weights_only=True)
+  prunekit inspect pruned.pt                      torch.nn.utils.prune-style (weight_orig / weight_mask)
+  prunekit inspect model-90.safetensors --json    prunekit's compressed format, or plain safetensors
+  prunekit inspect full-model.pt --trust-pickle   a pickled nn.Module (runs code from the file: trusted files only)
+
+columns: sparsity = zero weights; zero channels = output channels whose weights are all zero;
+2:4 fit = groups of 4 input channels holding at most 2 non-zeros; 4x1 blocks zero = all-zero
+blocks of 4 output channels x 1 input channel.
+"""
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("inspect", help="per-layer sparsity of a checkpoint (state dict, pruned, compressed)",
+                       description="Show shapes and sparsity (element-wise, by channel, 2:4, 4x1 blocks) of every "
+                                   "weight in a checkpoint, with totals.",
+                       epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help=".pt/.pth state dict, .safetensors, or a prunekit compressed checkpoint")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="allow full unpickling for files torch.load(weights_only=True) refuses (runs code!)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from prunekit.report import UnsafeCheckpointError, model_report, read_checkpoint
+
+    path = existing_file(args.checkpoint, "checkpoint")
+    try:
+        sd, kind = read_checkpoint(path, trust_pickle=args.trust_pickle)
+    except UnsafeCheckpointError as e:
+        raise CliError(str(e)) from None
+    except (ValueError, OSError) as e:
+        raise CliError(f"cannot read {path}: {first_line(e)}") from None
+    if not sd:
+        raise CliError(f"{path} holds no tensors")
+    report = model_report(sd)
+    size = os.path.getsize(path)
+    if args.json:
+        emit_json({"command": "inspect", "path": path, "format": kind, "bytes": size, "report": report.to_dict()})
+        return 0
+    print_report(report, f"{path}  ({kind}, {human_bytes(size)})")
+    return 0

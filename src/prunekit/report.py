@@ -1,0 +1,429 @@
+"""Sparsity reports as data, and the plots drawn from them.
+
+:func:`model_report` measures a model or a checkpoint: for every weight (a
+tensor with two or more dimensions) its shape, element-wise sparsity, the
+share of its output channels that are entirely zero, how much of it already
+fits the 2:4 pattern, and the share of all-zero 4x1 blocks; plus totals. The
+result is plain data (``to_dict()`` is JSON-ready), so a notebook can render
+the same tables and plots as the ``prunekit`` command.
+
+Definitions (``W`` seen as ``(out, in, *kernel)``):
+
+* ``sparsity`` -- zero elements / elements;
+* ``channel_sparsity`` -- output channels (rows of ``W``) whose every weight is zero;
+* ``fits_2_4`` -- share of the groups of 4 consecutive input channels (at one
+  kernel position) holding at most 2 non-zeros; ``1.0`` means the tensor
+  already has the 2:4 pattern. ``None`` when ``in`` is not a multiple of 4;
+* ``block_4x1_sparsity`` -- share of 4x1 blocks (4 output channels x 1 input
+  channel at one kernel position) that are all zero. ``None`` when ``out``
+  is not a multiple of 4.
+
+The layout is the one :mod:`prunekit.training.patterns` prunes with, so a
+model pruned with pattern ``"2:4"`` reports ``fits_2_4 == 1.0`` and one
+pruned with ``"4x1"`` reports its block sparsity here.
+
+:func:`read_checkpoint` reads what ``prunekit inspect`` accepts: a plain state
+dict, a ``torch.nn.utils.prune``-style state dict (``x_orig``/``x_mask``), a
+plain safetensors file or a prunekit compressed checkpoint -- never
+unpickling arbitrary objects unless asked to.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "LayerReport",
+    "ModelReport",
+    "UnsafeCheckpointError",
+    "model_report",
+    "read_checkpoint",
+    "plot_layer_sparsity",
+    "plot_accuracy_vs_sparsity",
+]
+
+logger = logging.getLogger(__name__)
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class UnsafeCheckpointError(ValueError):
+    """The checkpoint needs full unpickling (arbitrary code) and the caller did not allow it."""
+
+
+@dataclass
+class LayerReport:
+    """One weight tensor of a model or checkpoint (see the module docstring for each figure)."""
+
+    name: str
+    shape: Tuple[int, ...]
+    numel: int
+    nonzero: int
+    sparsity: float
+    channels: int
+    zero_channels: int
+    channel_sparsity: float
+    fits_2_4: Optional[float]
+    block_4x1_sparsity: Optional[float]
+    masked: bool = False
+
+
+@dataclass
+class ModelReport:
+    """Per-layer figures plus totals.
+
+    ``*_layers`` totals are over the reported weights; ``*_all`` totals are
+    over every floating-point tensor considered (a model's parameters, or
+    every floating-point entry of a checkpoint, buffers included).
+    """
+
+    layers: List[LayerReport] = field(default_factory=list)
+    numel_layers: int = 0
+    nonzero_layers: int = 0
+    sparsity_layers: float = 0.0
+    numel_all: int = 0
+    nonzero_all: int = 0
+    sparsity_all: float = 0.0
+    channels: int = 0
+    zero_channels: int = 0
+    channel_sparsity: float = 0.0
+    fits_2_4: Optional[float] = None
+    block_4x1_sparsity: Optional[float] = None
+    source: str = "model"
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain, JSON-ready dict (shapes become lists)."""
+        d = asdict(self)
+        for layer in d["layers"]:
+            layer["shape"] = list(layer["shape"])
+        return d
+
+    def layer(self, name: str) -> LayerReport:
+        """The entry of the weight called ``name`` (``KeyError`` naming the known ones otherwise)."""
+        for entry in self.layers:
+            if entry.name == name:
+                return entry
+        raise KeyError(f"no weight named {name!r} in this report; known: {[e.name for e in self.layers]}")
+
+
+# ----------------------------------------------------------------------------- measuring
+def _to_2d(t: Tensor) -> Tensor:
+    """``(out, prod(kernel) * in)`` with input channels innermost (prunekit's pattern layout)."""
+    if t.dim() == 2:
+        return t
+    perm = (0,) + tuple(range(2, t.dim())) + (1,)
+    return t.permute(*perm).reshape(t.shape[0], -1)
+
+
+def _measure(name: str, t: Tensor, masked: bool) -> Tuple[LayerReport, int, int, int, int]:
+    """The layer entry plus (2:4 groups, fitting groups, 4x1 blocks, zero blocks)."""
+    nz = t != 0
+    numel = t.numel()
+    nonzero = int(nz.sum())
+    out_ch, in_ch = int(t.shape[0]), int(t.shape[1])
+    rows = nz.reshape(out_ch, -1).any(dim=1)
+    zero_channels = int((~rows).sum())
+    flat = _to_2d(nz)  # (out, k * in), input channel innermost
+    groups = fit = blocks = zero_blocks = 0
+    fits = block = None
+    if in_ch % 4 == 0 and numel:
+        per_group = flat.reshape(-1, 4).sum(dim=1)
+        groups = per_group.numel()
+        fit = int((per_group <= 2).sum())
+        fits = fit / groups
+    if out_ch % 4 == 0 and numel:
+        cols = flat.shape[1]
+        b = flat.reshape(out_ch // 4, 4, cols).any(dim=1)
+        blocks = b.numel()
+        zero_blocks = int((~b).sum())
+        block = zero_blocks / blocks
+    entry = LayerReport(
+        name=name,
+        shape=tuple(int(s) for s in t.shape),
+        numel=numel,
+        nonzero=nonzero,
+        sparsity=(numel - nonzero) / numel if numel else 0.0,
+        channels=out_ch,
+        zero_channels=zero_channels,
+        channel_sparsity=zero_channels / out_ch if out_ch else 0.0,
+        fits_2_4=fits,
+        block_4x1_sparsity=block,
+        masked=masked,
+    )
+    return entry, groups, fit, blocks, zero_blocks
+
+
+def _effective_tensors(source: Union[nn.Module, Mapping[str, Tensor]]) -> Tuple["OrderedDict[str, Tensor]", set, str]:
+    """(name -> effective tensor, names that carried a mask, kind of source)."""
+    from .state_dict import dense_state_dict
+
+    if isinstance(source, nn.Module):
+        sd = source.state_dict()
+        masked = {k[: -len("_mask")] for k in sd if k.endswith("_mask") and k[: -len("_mask")] + "_orig" in sd}
+        baked = dense_state_dict(sd)
+        wanted = []
+        for pname, _ in source.named_parameters():
+            base = pname[: -len("_orig")] if pname.endswith("_orig") else pname
+            wanted.append(base if base in masked else pname)
+        out = OrderedDict((k, baked[k]) for k in wanted if k in baked)
+        return out, masked, "model"
+    if isinstance(source, Mapping):
+        for k, v in source.items():
+            if not isinstance(k, str) or not isinstance(v, Tensor):
+                raise TypeError(
+                    f"model_report: entry {k!r} of the state dict is a {type(v).__name__}, not a tensor; "
+                    "pass a model or a mapping of names to tensors"
+                )
+        masked = {k[: -len("_mask")] for k in source if k.endswith("_mask") and k[: -len("_mask")] + "_orig" in source}
+        baked = dense_state_dict(source)
+        out = OrderedDict((k, v) for k, v in baked.items() if v.is_floating_point() or v.is_complex())
+        return out, masked, "state_dict"
+    raise TypeError(
+        f"model_report: expected an nn.Module or a state dict (a mapping of names to tensors), got "
+        f"{type(source).__name__}; for a file use model_report(read_checkpoint(path)[0])"
+    )
+
+
+def model_report(source: Union[nn.Module, Mapping[str, Tensor]]) -> ModelReport:
+    """Measure the sparsity of a model or state dict, per weight tensor and in total.
+
+    Works on the weights the model actually uses: a pruned module's
+    ``weight_orig * weight_mask`` (float or boolean masks), a state dict with
+    ``x_orig``/``x_mask`` pairs, or plain tensors. Every tensor with two or
+    more dimensions is a reported layer; the others (biases, norms) count in
+    the ``*_all`` totals only.
+
+    Example:
+        >>> import torch, prunekit
+        >>> from prunekit.report import model_report
+        >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+        >>> _ = prunekit.l1_unstructured(m[0], "weight", amount=48)
+        >>> r = model_report(m)
+        >>> [(e.name, e.shape, e.sparsity, e.masked) for e in r.layers]
+        [('0.weight', (8, 8), 0.75, True), ('2.weight', (4, 8), 0.0, False)]
+        >>> r.nonzero_layers, r.numel_all
+        (48, 108)
+    """
+    tensors, masked, kind = _effective_tensors(source)
+    rep = ModelReport(source=kind)
+    groups = fit = blocks = zero_blocks = 0
+    any_groups = any_blocks = False
+    for name, t in tensors.items():
+        t = t.detach()
+        rep.numel_all += t.numel()
+        rep.nonzero_all += int((t != 0).sum())
+        if t.dim() < 2:
+            continue
+        entry, g, f, b, zb = _measure(name, t, name in masked)
+        rep.layers.append(entry)
+        rep.numel_layers += entry.numel
+        rep.nonzero_layers += entry.nonzero
+        rep.channels += entry.channels
+        rep.zero_channels += entry.zero_channels
+        if entry.fits_2_4 is not None:
+            any_groups = True
+            groups += g
+            fit += f
+        if entry.block_4x1_sparsity is not None:
+            any_blocks = True
+            blocks += b
+            zero_blocks += zb
+    rep.sparsity_layers = 1 - rep.nonzero_layers / rep.numel_layers if rep.numel_layers else 0.0
+    rep.sparsity_all = 1 - rep.nonzero_all / rep.numel_all if rep.numel_all else 0.0
+    rep.channel_sparsity = rep.zero_channels / rep.channels if rep.channels else 0.0
+    rep.fits_2_4 = fit / groups if any_groups and groups else None
+    rep.block_4x1_sparsity = zero_blocks / blocks if any_blocks and blocks else None
+    logger.debug("model_report: %d layers, %.4f sparse", len(rep.layers), rep.sparsity_layers)
+    return rep
+
+
+# ----------------------------------------------------------------------------- reading files
+def _looks_like_safetensors(path: str) -> bool:
+    if path.endswith(".safetensors"):
+        return True
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError:
+        return False
+    # an 8-byte little-endian header length followed by the JSON header's "{"
+    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 100_000_000
+
+
+def _unwrap(obj: Any, path: str) -> "OrderedDict[str, Tensor]":
+    """A state dict out of what ``torch.load`` returned."""
+    if isinstance(obj, nn.Module):
+        return OrderedDict(obj.state_dict())
+    if isinstance(obj, Mapping):
+        for key in ("state_dict", "model_state_dict", "model"):
+            inner = obj.get(key)
+            if isinstance(inner, Mapping) and inner and all(isinstance(v, Tensor) for v in inner.values()):
+                return OrderedDict(inner)
+        tensors = OrderedDict((k, v) for k, v in obj.items() if isinstance(k, str) and isinstance(v, Tensor))
+        if tensors:
+            return tensors
+    raise ValueError(
+        f"{path}: holds a {type(obj).__name__} with no tensors; expected a state dict "
+        "(torch.save(model.state_dict(), path)) or a dict with a 'state_dict' entry"
+    )
+
+
+def read_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Tuple["OrderedDict[str, Tensor]", str]:
+    """Read a checkpoint file as a state dict; returns ``(state_dict, kind)``.
+
+    ``kind`` is ``"prunekit-compressed"``, ``"safetensors"`` or ``"torch"``.
+    ``.pt``/``.pth`` files are read with ``torch.load(weights_only=True)``; a
+    file that needs full unpickling (a pickled module, custom classes) raises
+    :class:`UnsafeCheckpointError` unless ``trust_pickle=True``, because
+    unpickling runs whatever code the file names.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> from prunekit.report import read_checkpoint
+        >>> path = os.path.join(tempfile.mkdtemp(), "m.pt")
+        >>> torch.save(torch.nn.Linear(2, 2).state_dict(), path)
+        >>> sd, kind = read_checkpoint(path)
+        >>> list(sd), kind
+        (['weight', 'bias'], 'torch')
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no such file: {path}")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a directory; give a checkpoint file")
+    if _looks_like_safetensors(path):
+        try:
+            from safetensors import safe_open
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError("reading .safetensors needs safetensors: pip install 'prunekit[io]'") from e
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                meta = f.metadata() or {}
+                keys = list(f.keys())
+                if "prunekit.format" not in meta:
+                    return OrderedDict((k, f.get_tensor(k)) for k in keys), "safetensors"
+        except Exception as e:  # safetensors raises its own error types
+            if path.endswith(".safetensors"):
+                raise ValueError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})") from e
+        else:
+            from .sparse import load_compressed
+
+            return load_compressed(path), "prunekit-compressed"
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if not trust_pickle:
+            raise UnsafeCheckpointError(
+                f"{path}: loading it needs full unpickling, which can run arbitrary code; "
+                "pass --trust-pickle (trust_pickle=True) only if you trust where the file comes from"
+            ) from e
+        obj = torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError) as e:
+        raise ValueError(f"{path}: not a torch checkpoint or a safetensors file ({str(e).splitlines()[0]})") from e
+    return _unwrap(obj, path), "torch"
+
+
+# ----------------------------------------------------------------------------- plots
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("plots need matplotlib: pip install 'prunekit[plot]'") from e
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_layer_sparsity(report: ModelReport, path: PathLike, *, title: Optional[str] = None) -> str:
+    """Write a PNG bar chart of each layer's element-wise and channel sparsity; returns the path.
+
+    Example:
+        >>> import os, tempfile, torch, prunekit
+        >>> from prunekit.report import model_report, plot_layer_sparsity
+        >>> m = prunekit.l1_unstructured(torch.nn.Linear(8, 8), "weight", amount=0.5)
+        >>> p = plot_layer_sparsity(model_report(m), os.path.join(tempfile.mkdtemp(), "layers.png"))
+        >>> os.path.getsize(p) > 0
+        True
+    """
+    plt = _pyplot()
+    names = [e.name for e in report.layers]
+    elem = [100 * e.sparsity for e in report.layers]
+    chan = [100 * e.channel_sparsity for e in report.layers]
+    fig, ax = plt.subplots(figsize=(7.5, 0.45 * max(len(names), 2) + 1.6))
+    y = list(range(len(names)))
+    ax.barh([i - 0.2 for i in y], elem, height=0.4, label="element-wise", color="#3b6ea5")
+    ax.barh([i + 0.2 for i in y], chan, height=0.4, label="whole output channels", color="#e39c3b")
+    for i, e in enumerate(report.layers):
+        ax.text(min(elem[i] + 1, 101), i - 0.2, f"{elem[i]:.1f}%  {list(e.shape)}", va="center", fontsize=7)
+    ax.set_yticks(y)
+    ax.set_yticklabels(names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 125)
+    ax.set_xlabel("sparsity (%)")
+    ax.set_title(title or f"per-layer sparsity (total {100 * report.sparsity_layers:.1f}% of weights)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    path = os.fspath(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_accuracy_vs_sparsity(
+    results: Sequence[Mapping[str, Any]],
+    path: PathLike,
+    *,
+    dense_accuracy: Optional[float] = None,
+    title: Optional[str] = None,
+) -> str:
+    """Write a PNG of accuracy against sparsity, one line per ``method``; returns the path.
+
+    ``results`` are mappings with ``method``, ``sparsity`` and ``accuracy``
+    (fractions in [0, 1]); ``dense_accuracy`` draws the unpruned baseline.
+
+    Example:
+        >>> import os, tempfile
+        >>> from prunekit.report import plot_accuracy_vs_sparsity
+        >>> rows = [{"method": "magnitude", "sparsity": s, "accuracy": a} for s, a in [(0.5, 0.98), (0.9, 0.95)]]
+        >>> p = plot_accuracy_vs_sparsity(rows, os.path.join(tempfile.mkdtemp(), "acc.png"), dense_accuracy=0.99)
+        >>> os.path.getsize(p) > 0
+        True
+    """
+    plt = _pyplot()
+    by_method: "OrderedDict[str, List[Tuple[float, float]]]" = OrderedDict()
+    for r in results:
+        for key in ("method", "sparsity", "accuracy"):
+            if key not in r:
+                raise ValueError(f"plot_accuracy_vs_sparsity: result {dict(r)!r} has no {key!r}")
+        by_method.setdefault(str(r["method"]), []).append((float(r["sparsity"]), float(r["accuracy"])))
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    markers = "osD^vP*X"
+    for i, (method, pts) in enumerate(by_method.items()):
+        pts.sort()
+        xs = [100 * s for s, _ in pts]
+        ys = [100 * a for _, a in pts]
+        ax.plot(xs, ys, marker=markers[i % len(markers)], linestyle="-" if len(pts) > 1 else "none",
+                label=method, markersize=7)
+    if dense_accuracy is not None:
+        ax.axhline(100 * dense_accuracy, color="black", linestyle="--", linewidth=1,
+                   label=f"dense ({100 * dense_accuracy:.1f}%)")
+        ax.axhline(100 * dense_accuracy - 1, color="grey", linestyle=":", linewidth=1, label="dense - 1 point")
+    ax.set_xlabel("sparsity of the pruned weights (%)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(title or "accuracy against sparsity")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    path = os.fspath(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
