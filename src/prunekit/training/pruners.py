@@ -10,10 +10,11 @@ and the optimizer hooks call)::
 
     on_step_begin(local_step)
     loss.backward()
-    on_before_optimizer_step()   # gradient criteria are scored here, before the weights move;
-                                 # gradients at pruned entries are zeroed
+    on_before_optimizer_step()   # gradient criteria are scored here, before the weights move
+                                 # (gradients are already zero at pruned entries, by the mask)
     optimizer.step()
-    on_after_optimizer_step()    # pruned entries of name_orig are kept at exactly zero
+    on_after_optimizer_step()    # nothing per step: pruned entries of name_orig are zero,
+                                 # with zero gradient and zero optimizer state, so they stay zero
     on_step_end()                # at an update step the masks move to the scheduled sparsity;
                                  # global_step += 1
 
@@ -264,19 +265,15 @@ class Pruner:
         self.local_step = int(local_step)
 
     def on_before_optimizer_step(self) -> None:
-        """Gradients are ready: zero them at pruned entries and score gradient criteria."""
-        with torch.no_grad():
-            for n, m in self.modules.items():
-                g = mk.get_orig(m, self.weight_name).grad
-                if g is not None:
-                    mask = self.masks[n]
-                    g.mul_(mask if mask.dtype == g.dtype else mask.to(g.dtype))
+        """Gradients are ready (and zero at pruned entries: ``weight = weight_orig * weight_mask``
+        gives ``weight_orig.grad = dL/dweight * mask``); score gradient criteria."""
         if self._needs_scores_now(self.global_step):
             self.update_scores()
 
     def on_after_optimizer_step(self) -> None:
-        """Weights moved: keep pruned entries at exactly zero."""
-        self.mask_weights()
+        """Weights moved. Nothing to do per step: pruned entries of ``weight_orig`` were set to
+        zero and their optimizer state cleared when the mask changed, and with a zero gradient
+        they stay zero (weight decay of zero is zero). Call :meth:`mask_weights` to force it."""
 
     def on_step_end(self) -> None:
         """Update the masks when this is an update step, then advance ``global_step``."""

@@ -1,0 +1,122 @@
+"""Training-aware pruning on real data: scikit-learn's bundled digits, a small CNN.
+
+A CNN is trained dense, then fine-tuned once without pruning (the reference)
+and once per pruner x pattern while the pruner prunes it gradually. Prints a
+table: dense accuracy, final sparsity, final accuracy, and the median time of
+a step that does not update masks against the median plain step, both
+measured in this run, interleaved ("ratio": all non-update steps, including
+the score accumulation of snip_momentum inside the schedule; "after end": the
+steps after end_step, where only the masked forward remains).
+
+Targets (issue 3): 90 % unstructured within 1 point of dense accuracy; 2:4
+within 1 point; 80 % 4x1 within 2 points; non-update steps at most 5 % slower.
+
+Run: python benchmarks/bench_training.py [--quick]
+"""
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+from sklearn.datasets import load_digits
+from torch import nn
+
+from prunekit.training import prepare_pruning
+
+PATTERNS = [("1x1", 0.9, 1.0), ("2:4", 0.5, 1.0), ("4x1", 0.8, 2.0)]
+PRUNERS = ["magnitude", "snip", "snip_momentum", "gradient"]
+
+
+def data():
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+    y = torch.tensor(d.target)
+    g = torch.Generator().manual_seed(0)
+    p = torch.randperm(len(y), generator=g)
+    return x[p[:1400]], y[p[:1400]], x[p[1400:]], y[p[1400:]]
+
+
+def cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(64 * 6 * 6, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def accuracy(model, x, y):
+    model.eval()
+    with torch.no_grad():
+        acc = (model(x).argmax(1) == y).float().mean().item()
+    model.train()
+    return acc
+
+
+def steps(x, y, n, bs=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    while len(out) < n:
+        p = torch.randperm(len(y), generator=g)
+        out += [(x[p[i:i + bs]], y[p[i:i + bs]]) for i in range(0, len(y) - bs + 1, bs)]
+    return out[:n]
+
+
+def finetune(model, opt, batches, pruning=None):
+    loss_fn = nn.CrossEntropyLoss()
+    times = []
+    for xb, yb in batches:
+        t = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(xb), yb).backward()
+        opt.step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    x, y, xt, yt = data()
+    dense_steps, ft_steps = (300, 200) if args.quick else (900, 900)
+    model = cnn()
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    finetune(model, opt, steps(x, y, dense_steps, seed=1))
+    dense = copy.deepcopy(model.state_dict())
+    dense_acc = accuracy(model, xt, yt)
+    batches = steps(x, y, ft_steps, seed=2)
+    end = int(ft_steps * 0.6)
+    print(f"dense accuracy {dense_acc:.4f}  (CNN on digits, {dense_steps} dense steps, {ft_steps} fine-tuning steps)")
+    print(f"{'pruner':<14}{'pattern':<8}{'target':>7}{'sparsity':>10}{'acc':>8}{'d acc':>8}{'goal':>6}"
+          f"{'plain ms':>10}{'pruned ms':>10}{'ratio':>7}{'after end':>10}")
+    for pattern, target, tol in PATTERNS:
+        for prune_type in PRUNERS:
+            ref = cnn(); ref.load_state_dict(dense)
+            ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+            m = cnn(); m.load_state_dict(dense)
+            m_opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+            pruning = prepare_pruning(m, {"prune_type": prune_type, "pattern": pattern, "target_sparsity": target,
+                                          "start_step": 0, "end_step": end, "update_frequency_on_step": 20,
+                                          "sparsity_decay_type": "cube", "excluded_names": ["^0$"],
+                                          "max_sparsity_ratio_per_layer": 0.98}, m_opt)
+            plain_t, pruned_t = [], []
+            for i in range(0, ft_steps, 50):  # interleave chunks so both see the same machine load
+                plain_t += finetune(ref, ref_opt, batches[i:i + 50])
+                pruned_t += finetune(m, m_opt, batches[i:i + 50])
+            p0 = pruning.pruners[0]
+            quiet = [t for s, t in enumerate(pruned_t) if not p0.scheduler.is_update_step(s) and s > 10]
+            plain = statistics.median(plain_t[10:])
+            pruned = statistics.median(quiet)
+            after = statistics.median(pruned_t[end + 1:]) / statistics.median(plain_t[end + 1:])
+            rep = pruning.report()
+            acc = accuracy(m, xt, yt)
+            ok = "yes" if dense_acc - acc <= tol / 100 else "NO"
+            print(f"{prune_type:<14}{pattern:<8}{target:>7.2f}{rep.elementwise_over_layers:>10.4f}{acc:>8.4f}"
+                  f"{(acc - dense_acc) * 100:>+8.2f}{ok:>6}{plain * 1e3:>10.3f}{pruned * 1e3:>10.3f}"
+                  f"{pruned / plain:>7.3f}{after:>10.3f}")
+            pruning.unwire()
+
+
+if __name__ == "__main__":
+    main()
