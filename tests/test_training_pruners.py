@@ -292,19 +292,20 @@ def test_pattern_lock_keeps_existing_zeros(digits):
     x, y, _, _ = digits
     model = mlp()
     with torch.no_grad():
-        for m in (model[0], model[2]):
+        for m in (model[0], model[4]):
             m.weight[torch.rand_like(m.weight) < 0.5] = 0
-    zeros = {i: (model[i].weight == 0).clone() for i in (0, 2)}
-    before = {i: model[i].weight.detach().clone() for i in (0, 2)}
+    zeros = {i: (model[i].weight == 0).clone() for i in (0, 4)}
+    before = {i: model[i].weight.detach().clone() for i in (0, 4)}
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    pruning = prepare_pruning(model, {"prune_type": "pattern_lock", "excluded_names": ["^4$"]}, opt)
+    pruning = prepare_pruning(model, {"prune_type": "pattern_lock", "excluded_names": ["^2$"], "pattern": "4x4"}, opt)
+    assert pruning.skipped == {}  # pattern lock keeps zeros of any shape: no layer is skipped
     train(model, opt, x, y, 15)
-    for i in (0, 2):
+    for i in (0, 4):
         assert torch.equal(model[i].weight == 0, zeros[i])
         assert not torch.equal(model[i].weight.detach(), before[i])  # the rest trained
     assert_pruned_entries_frozen(pruning, opt)
     assert pruning.pruners[0].target_sparsity_ratio == pytest.approx(
-        (int(zeros[0].sum()) + int(zeros[2].sum())) / (64 * 64 + 64 * 32))
+        (int(zeros[0].sum()) + int(zeros[4].sum())) / (64 * 64 + 32 * 10))
 
 
 def test_snip_momentum_scores_accumulate_before_the_step():

@@ -133,6 +133,8 @@ class Pruner:
 
     criterion_name = "magnitude"
     weight_name = "weight"
+    #: a pattern this pruner always uses, whatever the config says (None: the config's)
+    fixed_pattern: Optional[str] = None
 
     def __init__(self, modules: Union[Mapping[str, nn.Module], nn.Module], config: Union[PrunerConfig, Mapping[str, Any]]) -> None:
         self.config: PrunerConfig = _as_config(config)
@@ -140,7 +142,7 @@ class Pruner:
             modules = select_modules(modules, self.config, self.weight_name)
         if not isinstance(modules, Mapping):
             raise TypeError(f"modules={modules!r}: pass a dict {{name: module}} or a model (nn.Module)")
-        self.pattern: Pattern = get_pattern(self.config.pattern)
+        self.pattern: Pattern = get_pattern(self.fixed_pattern or self.config.pattern)
         self.skipped: Dict[str, str] = {}
         fitting: Dict[str, nn.Module] = {}
         for name, module in modules.items():
@@ -473,9 +475,11 @@ class PatternLockPruner(Pruner):
 
     Unpruned layers get the mask ``weight != 0``; layers that already carry a
     mask keep it. Pruned entries get no gradient and no optimizer update.
+    The zeros may form any pattern, so every layer fits (``pattern`` is ``1x1``).
     """
 
     criterion_name = "magnitude"
+    fixed_pattern = "1x1"
 
     def _initial_mask(self, name: str, module: nn.Module) -> Optional[Tensor]:
         w = mk.raw_weight(module, self.weight_name)
