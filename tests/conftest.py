@@ -10,3 +10,75 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+# ------------------------------------------------------------ framework fixture
+FRAMEWORKS = ["torch", "tensorplay"]
+
+
+class Framework:
+    """One tensor framework for the core tests: its ``nn``, tensors moved from and to torch, seeding.
+
+    Tests build their oracle data in torch and move it in with :meth:`tensor`
+    (DLPack, a copy), run prunekit on ``fw.nn`` modules and bring results back
+    with :meth:`to_torch` to compare against ``torch.nn.utils.prune`` or
+    against the torch run.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.ns = torch if name == "torch" else pytest.importorskip("tensorplay")
+        self.nn = self.ns.nn
+
+    def __repr__(self):
+        return self.name
+
+    @property
+    def is_torch(self) -> bool:
+        return self.name == "torch"
+
+    def tensor(self, t):
+        """A torch tensor's values as a tensor of this framework (own memory)."""
+        t = t.detach().contiguous().clone()
+        return t if self.is_torch else self.ns.from_dlpack(t)
+
+    def to_torch(self, t):
+        """A tensor of this framework as a torch tensor (a copy)."""
+        if isinstance(t, torch.Tensor):
+            return t.detach().clone()
+        return torch.from_dlpack(t.detach().contiguous()).clone()
+
+    def dtype(self, torch_dtype):
+        return torch_dtype if self.is_torch else getattr(self.ns, str(torch_dtype).split(".")[1])
+
+    def manual_seed(self, seed: int):
+        """Seed this framework (and torch, for the oracle). TensorPlay's generator draws torch's numbers."""
+        torch.manual_seed(seed)
+        self.ns.manual_seed(seed)
+
+    def no_grad(self):
+        return self.ns.no_grad()
+
+    def set_params(self, module, values):
+        """Copy ``{name: torch tensor}`` into ``module``'s parameters."""
+        params = dict(module.named_parameters())
+        with self.no_grad():
+            for name, v in values.items():
+                params[name].copy_(self.tensor(v))
+        return module
+
+    def twin(self, torch_module, factory):
+        """``factory(self.nn)`` with the parameters of ``torch_module`` copied in."""
+        m = factory(self.nn)
+        return self.set_params(m, {k: v for k, v in torch_module.named_parameters()})
+
+    def equal(self, a, b) -> bool:
+        """Exact equality of two tensors of any framework (values, shape and dtype name)."""
+        ta, tb = self.to_torch(a), self.to_torch(b)
+        return ta.dtype == tb.dtype and torch.equal(ta, tb)
+
+
+@pytest.fixture(scope="session", params=FRAMEWORKS)
+def framework(request):
+    """The framework under test: ``torch`` and ``tensorplay`` (skipped where it is not installed)."""
+    return Framework(request.param)

@@ -1,4 +1,10 @@
-"""prunekit against torch.nn.utils.prune as the oracle, on randomized inputs."""
+"""prunekit against torch.nn.utils.prune as the oracle, on randomized inputs.
+
+Every test runs once per framework (the ``framework`` fixture): prunekit prunes
+``torch.nn`` or ``tensorplay.nn`` modules holding the same weights as the
+torch modules that ``torch.nn.utils.prune`` prunes, and the results, brought
+back to torch, must be identical.
+"""
 
 import copy
 
@@ -23,38 +29,45 @@ def distinct_weights(shape, seed):
     return (mags * signs).view(shape)
 
 
-def twin_linears(shape, seed):
-    a = nn.Linear(shape[1], shape[0]) if len(shape) == 2 else nn.Conv2d(shape[1], shape[0], shape[2:])
+def twin_linears(shape, seed, fw):
+    """(prunekit's module in ``fw``, torch's module), same weights."""
+    def make(nn_):
+        return nn_.Linear(shape[1], shape[0]) if len(shape) == 2 else nn_.Conv2d(shape[1], shape[0], tuple(shape[2:]))
+    a = make(nn)
     with torch.no_grad():
         a.weight.copy_(distinct_weights(shape, seed))
-    return a, copy.deepcopy(a)
+    return fw.twin(a, make), copy.deepcopy(a)
 
 
 shapes = st.sampled_from([(6, 5), (16, 9), (1, 7), (8, 3, 3, 3), (4, 2, 1, 5)])
 amounts = st.one_of(st.floats(0.0, 1.0), st.integers(0, 6))
 
 
-def call(lib, method, module, amount, n, dim, scores=None, seed=0):
+def call(lib, method, module, amount, n, dim, scores=None, seed=0, fw=None):
+    """Run one method; ``fw`` (prunekit's side) moves the scores in and seeds its generator."""
+    if fw is not None and scores is not None:
+        scores = fw.tensor(scores)
+    manual_seed = fw.manual_seed if fw is not None else torch.manual_seed
     if method == "l1":
         return lib.l1_unstructured(module, "weight", amount, importance_scores=scores)
     if method == "random_u":
-        torch.manual_seed(seed)
+        manual_seed(seed)
         return lib.random_unstructured(module, "weight", amount)
     if method == "ln":
         return lib.ln_structured(module, "weight", amount, n=n, dim=dim, importance_scores=scores)
     if method == "random_s":
-        torch.manual_seed(seed)
+        manual_seed(seed)
         return lib.random_structured(module, "weight", amount, dim=dim)
     if method == "identity":
         return lib.identity(module, "weight")
     raise AssertionError(method)
 
 
-def assert_same(a, b):
-    assert torch.equal(a.weight_mask, b.weight_mask)
-    assert torch.equal(a.weight, b.weight)
-    assert a.weight_mask.dtype == b.weight_mask.dtype
-    assert torch.equal(a.weight_orig, b.weight_orig)
+def assert_same(a, b, fw):
+    """prunekit's module ``a`` (in ``fw``) equals torch's ``b``: masks, dtypes, values."""
+    assert fw.equal(a.weight_mask, b.weight_mask)
+    assert fw.equal(a.weight, b.weight)
+    assert fw.equal(a.weight_orig, b.weight_orig)
 
 
 def safe_amount(amount, units):
@@ -66,8 +79,9 @@ def safe_amount(amount, units):
        chain=st.lists(st.tuples(st.sampled_from(["l1", "random_u", "ln", "random_s", "identity"]), amounts,
                                 st.sampled_from([1, 2, float("inf"), -float("inf")]), st.integers(-2, 1)),
                       min_size=1, max_size=4))
-def test_chains_equal_torch(shape, seed, chain):
-    ours, theirs = twin_linears(shape, seed)
+def test_chains_equal_torch(framework, shape, seed, chain):
+    fw = framework
+    ours, theirs = twin_linears(shape, seed, fw)
     for i, (method, amount, n, dim) in enumerate(chain):
         dim = dim % len(shape) if len(shape) >= 2 else dim
         if method in ("l1", "random_u"):
@@ -80,42 +94,45 @@ def test_chains_equal_torch(shape, seed, chain):
         except (ValueError, IndexError, RuntimeError):
             # torch refuses (e.g. int amount above the channels still unpruned): so must we
             with pytest.raises((ValueError, IndexError)):
-                call(prune, method, ours, amount, n, dim, seed=seed + i)
+                call(prune, method, ours, amount, n, dim, seed=seed + i, fw=fw)
             return
-        call(prune, method, ours, amount, n, dim, seed=seed + i)
-        assert_same(ours, theirs)
+        call(prune, method, ours, amount, n, dim, seed=seed + i, fw=fw)
+        assert_same(ours, theirs, fw)
 
 
 @SETTINGS
 @given(shape=shapes, seed=st.integers(0, 10_000), amount=amounts,
        method=st.sampled_from(["l1", "ln"]), n=st.sampled_from([1, 2, 3, float("inf")]))
-def test_importance_scores_equal_torch(shape, seed, amount, method, n):
-    ours, theirs = twin_linears(shape, seed)
+def test_importance_scores_equal_torch(framework, shape, seed, amount, method, n):
+    fw = framework
+    ours, theirs = twin_linears(shape, seed, fw)
     scores = distinct_weights(shape, seed + 1)
     units = shape[0] if method == "ln" else ours.weight.numel()
     amount = safe_amount(amount, units)
     call(tprune, method, theirs, amount, n, 0, scores=scores)
-    call(prune, method, ours, amount, n, 0, scores=scores)
-    assert_same(ours, theirs)
+    call(prune, method, ours, amount, n, 0, scores=scores, fw=fw)
+    assert_same(ours, theirs, fw)
     # a second round on top, scored by the pruned weights
     call(tprune, "l1", theirs, 0.5, n, 0)
-    call(prune, "l1", ours, 0.5, n, 0)
-    assert_same(ours, theirs)
+    call(prune, "l1", ours, 0.5, n, 0, fw=fw)
+    assert_same(ours, theirs, fw)
 
 
 @SETTINGS
 @given(seed=st.integers(0, 10_000), amount=st.one_of(st.floats(0.0, 1.0), st.integers(0, 60)),
        rounds=st.integers(1, 3), method=st.sampled_from(["l1", "random"]), use_scores=st.booleans())
-def test_global_equal_torch(seed, amount, rounds, method, use_scores):
-    def net():
-        torch.manual_seed(seed)
-        model = nn.Sequential(nn.Linear(7, 5), nn.ReLU(), nn.Conv1d(5, 4, 3), nn.Linear(3, 2))
-        with torch.no_grad():
-            flat = distinct_weights((sum(p.numel() for p in model.parameters()),), seed)
-            torch.nn.utils.vector_to_parameters(flat, model.parameters())
-        return model
+def test_global_equal_torch(framework, seed, amount, rounds, method, use_scores):
+    fw = framework
 
-    a, b = net(), net()
+    def make(nn_):
+        return nn_.Sequential(nn_.Linear(7, 5), nn_.ReLU(), nn_.Conv1d(5, 4, 3), nn_.Linear(3, 2))
+
+    torch.manual_seed(seed)
+    b = make(nn)
+    with torch.no_grad():
+        flat = distinct_weights((sum(p.numel() for p in b.parameters()),), seed)
+        torch.nn.utils.vector_to_parameters(flat, b.parameters())
+    a = fw.twin(b, make)
     pa = [(a[0], "weight"), (a[2], "weight"), (a[3], "weight"), (a[0], "bias")]
     pb = [(b[0], "weight"), (b[2], "weight"), (b[3], "weight"), (b[0], "bias")]
     cls_a = prune.L1Unstructured if method == "l1" else prune.RandomUnstructured
@@ -126,8 +143,8 @@ def test_global_equal_torch(seed, amount, rounds, method, use_scores):
             # distinct across all tensors, so the global ranking has no ties
             pool = distinct_weights((sum(getattr(m, n).numel() for m, n in pa),), seed + r).split(
                 [getattr(m, n).numel() for m, n in pa])
-            sa = {(m, n): p.view(getattr(m, n).shape) for (m, n), p in zip(pa, pool)}
-            sb = {(mb, n): sa[(ma, n)] for (ma, n), (mb, _) in zip(pa, pb)}
+            sb = {(m, n): p.view(getattr(m, n).shape) for (m, n), p in zip(pb, pool)}
+            sa = {(ma, n): fw.tensor(sb[(mb, n)]) for (ma, n), (mb, _) in zip(pa, pb)}
         torch.manual_seed(seed + r)
         try:
             tprune.global_unstructured(pb, cls_b, importance_scores=sb, amount=amount)
@@ -135,39 +152,37 @@ def test_global_equal_torch(seed, amount, rounds, method, use_scores):
             with pytest.raises(ValueError):
                 prune.global_unstructured(pa, cls_a, importance_scores=sa, amount=amount)
             return
-        torch.manual_seed(seed + r)
+        fw.manual_seed(seed + r)
         prune.global_unstructured(pa, cls_a, importance_scores=sa, amount=amount)
         for (ma, n), (mb, _) in zip(pa, pb):
-            assert torch.equal(getattr(ma, n + "_mask"), getattr(mb, n + "_mask"))
-            assert torch.equal(getattr(ma, n), getattr(mb, n))
+            assert fw.equal(getattr(ma, n + "_mask"), getattr(mb, n + "_mask"))
+            assert fw.equal(getattr(ma, n), getattr(mb, n))
 
 
 @settings(max_examples=30, deadline=None)
 @given(n=st.integers(1, 3000), k_frac=st.floats(0, 1), levels=st.integers(1, 5), seed=st.integers(0, 999))
-def test_ties_prune_exact_count(n, k_frac, levels, seed):
+def test_ties_prune_exact_count(framework, n, k_frac, levels, seed):
     g = torch.Generator().manual_seed(seed)
     w = torch.randint(0, levels, (n,), generator=g).float() - levels // 2  # heavy ties, both signs
-    m = nn.Linear(n, 1)
-    with torch.no_grad():
-        m.weight.copy_(w.view(1, n))
+    m = framework.set_params(framework.nn.Linear(n, 1), {"weight": w.view(1, n)})
     k = round(k_frac * n)
     prune.l1_unstructured(m, "weight", amount=k)
-    mask = m.weight_mask.view(-1)
+    mask = framework.to_torch(m.weight_mask).view(-1)
     assert int((mask == 0).sum()) == k
     # everything pruned is no larger than anything kept
     if 0 < k < n:
         assert w.abs()[mask == 0].max() <= w.abs()[mask == 1].min()
 
 
-def test_large_tensor_uses_histogram_path_and_matches_torch():
+def test_large_tensor_uses_histogram_path_and_matches_torch(framework):
     # > 65536 entries: the radix/histogram selection path
-    a, b = twin_linears((300, 400), seed=3)
+    a, b = twin_linears((300, 400), 3, framework)
     prune.l1_unstructured(a, "weight", 0.37)
     tprune.l1_unstructured(b, "weight", 0.37)
-    assert_same(a, b)
+    assert_same(a, b, framework)
     prune.l1_unstructured(a, "weight", 0.5)
     tprune.l1_unstructured(b, "weight", 0.5)
-    assert_same(a, b)
+    assert_same(a, b, framework)
 
 
 def test_float_amount_rounds_half_to_even_like_torch():
@@ -178,30 +193,30 @@ def test_float_amount_rounds_half_to_even_like_torch():
     assert prune._validate_pruning_amount is prune.validate_pruning_amount
 
 
-def test_custom_from_mask_and_container_history_like_torch():
-    a, b = twin_linears((4, 3), seed=1)
+def test_custom_from_mask_and_container_history_like_torch(framework):
+    a, b = twin_linears((4, 3), 1, framework)
     mask = torch.tensor([[1, 0, 1], [0, 1, 1], [1, 1, 1], [0, 0, 1]])
-    prune.custom_from_mask(a, "weight", mask)
+    prune.custom_from_mask(a, "weight", framework.tensor(mask))
     tprune.custom_from_mask(b, "weight", mask)
-    assert_same(a, b)
+    assert_same(a, b, framework)
     prune.l1_unstructured(a, "weight", 2)
     tprune.l1_unstructured(b, "weight", 2)
-    assert_same(a, b)
+    assert_same(a, b, framework)
     hook = next(iter(a._forward_pre_hooks.values()))
     assert isinstance(hook, prune.PruningContainer)
     assert [type(h).__name__ for h in hook] == ["CustomFromMask", "L1Unstructured"]
     assert len(hook) == 2 and hook[1]._tensor_name == "weight"
 
 
-def test_remove_like_torch():
-    a, b = twin_linears((5, 4), seed=2)
+def test_remove_like_torch(framework):
+    a, b = twin_linears((5, 4), 2, framework)
     prune.l1_unstructured(a, "weight", 0.5)
     tprune.l1_unstructured(b, "weight", 0.5)
     param = a.weight_orig
     prune.remove(a, "weight")
     tprune.remove(b, "weight")
     assert a.weight is param  # the same Parameter object, optimizers keep working
-    assert torch.equal(a.weight, b.weight)
+    assert framework.equal(a.weight, b.weight)
     assert set(dict(a.named_parameters())) == set(dict(b.named_parameters()))
     assert list(a.named_buffers()) == [] and not prune.is_pruned(a)
     with pytest.raises(ValueError, match="has to be pruned"):
