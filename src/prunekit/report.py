@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import zipfile
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -321,13 +322,23 @@ def read_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Tuple["Ord
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if not trust_pickle:
+            if "Unsupported global" not in str(e) and not zipfile.is_zipfile(path):
+                detail = [ln.strip() for ln in str(e).splitlines() if ln.strip().startswith("Unsupported")]
+                raise ValueError(
+                    f"{path}: not a torch checkpoint or a safetensors file"
+                    + (f" ({' '.join(detail)})" if detail else "")
+                ) from e
             raise UnsafeCheckpointError(
                 f"{path}: loading it needs full unpickling, which can run arbitrary code; "
                 "pass --trust-pickle (trust_pickle=True) only if you trust where the file comes from"
             ) from e
-        obj = torch.load(path, map_location="cpu", weights_only=False)
-    except (RuntimeError, EOFError) as e:
-        raise ValueError(f"{path}: not a torch checkpoint or a safetensors file ({str(e).splitlines()[0]})") from e
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=False)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as e2:
+            raise ValueError(f"{path}: not a torch checkpoint ({str(e2).splitlines()[0]})") from e2
+    except Exception as e:  # torch.load raises RuntimeError, EOFError, KeyError, ... on files it cannot read
+        detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{path}: not a torch checkpoint or a safetensors file ({detail})") from e
     return _unwrap(obj, path), "torch"
 
 

@@ -147,7 +147,7 @@ def load_weights(model: Any, path: Optional[str], trust_pickle: bool) -> Optiona
     except UnsafeCheckpointError as e:
         raise CliError(str(e)) from None
     except (ValueError, OSError) as e:
-        raise CliError(f"cannot read weights {path}: {_first_line(e)}") from None
+        raise CliError(_why(path, e)) from None
     try:
         prunekit.load_state_dict(model, sd)
     except (ValueError, RuntimeError, TypeError) as e:
@@ -168,6 +168,12 @@ def _first_line(e: BaseException) -> str:
 
 
 first_line = _first_line
+
+
+def _why(path: str, e: BaseException) -> str:
+    """One line saying why ``path`` could not be read (the path named once)."""
+    msg = _first_line(e)
+    return msg if msg.startswith(str(path)) else f"cannot read {path}: {msg}"
 
 
 # ----------------------------------------------------------------------------- output

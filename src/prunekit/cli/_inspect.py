@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import Any
 
-from ._common import CliError, emit_json, existing_file, first_line, human_bytes, print_report, say
+from ._common import CliError, _why, emit_json, existing_file, human_bytes, print_report
 
 _EPILOG = """\
 examples:
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     except UnsafeCheckpointError as e:
         raise CliError(str(e)) from None
     except (ValueError, OSError) as e:
-        raise CliError(f"cannot read {path}: {first_line(e)}") from None
+        raise CliError(_why(path, e)) from None
     if not sd:
         raise CliError(f"{path} holds no tensors")
     report = model_report(sd)

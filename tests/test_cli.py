@@ -1,0 +1,385 @@
+"""The ``prunekit`` command: every subcommand on small models, JSON output, exit codes, bad arguments."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.utils.prune as torch_prune
+import yaml
+from safetensors.torch import save_file
+
+import prunekit
+from prunekit.cli import main
+from prunekit.sparse import load_compressed, save_compressed
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import cli_models  # noqa: E402
+
+CNN = os.path.join(HERE, "cli_models.py") + ":make_cnn"
+MLP = os.path.join(HERE, "cli_models.py") + ":make_mlp"
+
+
+def run(capsys, *argv):
+    """(exit code, stdout, stderr) of ``prunekit argv`` run in this process."""
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys, *argv):
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def assert_one_line_error(code, err, expected_code=2, match=None):
+    assert code == expected_code
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("prunekit: error: ")
+    assert "Traceback" not in err
+    if match:
+        assert match in lines[0], lines[0]
+
+
+@pytest.fixture
+def cnn_weights(tmp_path):
+    path = tmp_path / "cnn.pt"
+    torch.save(cli_models.make_cnn().state_dict(), path)
+    return path
+
+
+# --------------------------------------------------------------------- help
+@pytest.mark.parametrize("cmd", [[], ["demo"], ["inspect"], ["prune"], ["compact"], ["sparsify"]])
+def test_help_has_examples(capsys, cmd):
+    code, out, _ = run(capsys, *cmd, "--help")
+    assert code == 0
+    assert "examples:" in out and "prunekit" in out
+
+
+def test_no_subcommand_prints_help_and_fails(capsys):
+    code, out, _ = run(capsys)
+    assert code == 2 and "COMMAND" in out
+
+
+# --------------------------------------------------------------------- inspect
+def test_inspect_plain_state_dict(capsys, tmp_path):
+    m = cli_models.make_cnn()
+    with torch.no_grad():
+        m[0].weight[:4] = 0  # 4 whole output channels of the first conv
+    torch.save(m.state_dict(), tmp_path / "m.pt")
+    d = run_json(capsys, "inspect", tmp_path / "m.pt")
+    assert d["command"] == "inspect" and d["format"] == "torch"
+    assert d["bytes"] == os.path.getsize(tmp_path / "m.pt")
+    layers = {e["name"]: e for e in d["report"]["layers"]}
+    assert list(layers) == ["0.weight", "3.weight", "8.weight"]
+    assert layers["0.weight"]["shape"] == [16, 3, 3, 3]
+    assert layers["0.weight"]["zero_channels"] == 4
+    assert layers["0.weight"]["sparsity"] == pytest.approx(4 / 16)
+    assert layers["0.weight"]["fits_2_4"] is None  # 3 input channels
+    assert layers["3.weight"]["sparsity"] == 0.0 and not layers["3.weight"]["masked"]
+    total = sum(e["numel"] for e in layers.values())
+    assert d["report"]["numel_layers"] == total
+    assert d["report"]["nonzero_layers"] == total - 4 * 27
+
+
+def test_inspect_torch_prune_state_dict_and_table(capsys, tmp_path):
+    m = cli_models.make_cnn()
+    torch_prune.l1_unstructured(m[3], "weight", amount=0.75)
+    torch.save(m.state_dict(), tmp_path / "tp.pt")
+    d = run_json(capsys, "inspect", tmp_path / "tp.pt")
+    e = {x["name"]: x for x in d["report"]["layers"]}["3.weight"]
+    assert e["masked"] and e["sparsity"] == pytest.approx(round(0.75 * e["numel"]) / e["numel"])
+    code, out, err = run(capsys, "inspect", tmp_path / "tp.pt")
+    assert code == 0 and err == ""
+    assert "3.weight" in out and "32x16x3x3" in out and "75.0%" in out and "total" in out
+
+
+def test_inspect_compressed_and_plain_safetensors(capsys, tmp_path):
+    m = cli_models.make_mlp()
+    prunekit.l1_unstructured(m[2], "weight", amount=0.9)
+    save_compressed(m, tmp_path / "c.safetensors")
+    d = run_json(capsys, "inspect", tmp_path / "c.safetensors")
+    assert d["format"] == "prunekit-compressed"
+    e = {x["name"]: x for x in d["report"]["layers"]}["2.weight"]
+    assert e["masked"] and e["nonzero"] == 128 * 128 - round(0.9 * 128 * 128)
+    save_file(prunekit.dense_state_dict(m), str(tmp_path / "plain.safetensors"))
+    d2 = run_json(capsys, "inspect", tmp_path / "plain.safetensors")
+    assert d2["format"] == "safetensors"
+    assert d2["report"]["nonzero_layers"] == d["report"]["nonzero_layers"]
+
+
+def test_inspect_pickle_needs_trust(capsys, tmp_path):
+    torch.save(cli_models.make_mlp(), tmp_path / "whole.pt")  # a pickled nn.Module
+    code, _, err = run(capsys, "inspect", tmp_path / "whole.pt")
+    assert_one_line_error(code, err, 2, "--trust-pickle")
+    d = run_json(capsys, "inspect", tmp_path / "whole.pt", "--trust-pickle")
+    assert [e["name"] for e in d["report"]["layers"]] == ["0.weight", "2.weight", "4.weight"]
+
+
+def test_inspect_missing_and_garbage(capsys, tmp_path):
+    code, _, err = run(capsys, "inspect", tmp_path / "nope.pt")
+    assert_one_line_error(code, err, 2, "not found")
+    (tmp_path / "junk.bin").write_bytes(b"hello, not a checkpoint")
+    code, _, err = run(capsys, "inspect", tmp_path / "junk.bin")
+    assert_one_line_error(code, err, 2, "not a torch checkpoint")
+
+
+# --------------------------------------------------------------------- prune
+def test_prune_global_magnitude_matches_the_library(capsys, tmp_path, cnn_weights):
+    out = tmp_path / "p.safetensors"
+    d = run_json(capsys, "prune", "--model", CNN, "--weights", cnn_weights, "--amount", "0.75", "--out", out,
+                 "--report", tmp_path / "r.json")
+    assert d["command"] == "prune" and d["pruning"]["method"] == "global_magnitude"
+    assert d["pruning"]["layers"] == ["0", "3", "8"]
+    assert d["bytes"] == os.path.getsize(out) and d["weights_format"] == "torch"
+    rep = d["report"]
+    assert rep["nonzero_layers"] == rep["numel_layers"] - round(0.75 * rep["numel_layers"])
+    assert json.loads((tmp_path / "r.json").read_text())["report"] == rep
+    # the file restores the same pruned model as pruning by hand
+    ref = cli_models.make_cnn()
+    ref.load_state_dict(torch.load(cnn_weights, weights_only=True))
+    prunekit.global_unstructured([(ref[i], "weight") for i in (0, 3, 8)], prunekit.L1Unstructured, amount=0.75)
+    again = cli_models.make_cnn()
+    prunekit.load_state_dict(again, load_compressed(out))
+    for i in (0, 3, 8):
+        assert torch.equal(again[i].weight_mask, ref[i].weight_mask)
+        assert torch.equal(again[i].weight, ref[i].weight)
+
+
+def test_prune_table_output_and_bake(capsys, tmp_path, cnn_weights):
+    out = tmp_path / "b.safetensors"
+    code, text, err = run(capsys, "prune", "--model", CNN, "--weights", cnn_weights, "--method", "l1_unstructured",
+                          "--amount", "0.5", "--out", out, "--bake")
+    assert code == 0, err
+    assert "wrote" in text and "50.0%" in text
+    sd = load_compressed(out)
+    assert not any(k.endswith(("_orig", "_mask")) for k in sd)
+    for k in ("0.weight", "3.weight", "8.weight"):
+        assert int((sd[k] == 0).sum()) == round(0.5 * sd[k].numel())
+    cli_models.make_cnn().load_state_dict(sd)  # loads into the dense model directly
+
+
+def test_prune_structured_and_layers_filter(capsys, tmp_path, cnn_weights):
+    d = run_json(capsys, "prune", "--model", CNN, "--weights", cnn_weights, "--method", "ln_structured",
+                 "--amount", "0.5", "--layers", "^3$", "--out", tmp_path / "s.safetensors")
+    layers = {e["name"]: e for e in d["report"]["layers"]}
+    assert layers["3.weight"]["zero_channels"] == 16 and layers["3.weight"]["masked"]
+    assert layers["0.weight"]["sparsity"] == 0.0 and not layers["0.weight"]["masked"]
+
+
+def test_prune_pattern_2_4(capsys, tmp_path):
+    d = run_json(capsys, "prune", "--model", MLP, "--pattern", "2:4", "--out", tmp_path / "nm.safetensors")
+    for e in d["report"]["layers"]:
+        assert e["fits_2_4"] == 1.0 and e["sparsity"] == pytest.approx(0.5)
+
+
+def test_prune_config_file(capsys, tmp_path):
+    cfg = {"prune_type": "magnitude", "pattern": "4x1", "target_sparsity": 0.5, "end_step": 3,
+           "prune_domain": "local", "names": ["^[02]$"]}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    d = run_json(capsys, "prune", "--model", MLP, "--config", tmp_path / "c.yaml", "--out", tmp_path / "y.safetensors")
+    layers = {e["name"]: e for e in d["report"]["layers"]}
+    assert layers["0.weight"]["block_4x1_sparsity"] == pytest.approx(0.5)
+    assert layers["2.weight"]["block_4x1_sparsity"] == pytest.approx(0.5)
+    assert layers["4.weight"]["sparsity"] == 0.0
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    d2 = run_json(capsys, "prune", "--model", MLP, "--config", tmp_path / "c.json", "--out", tmp_path / "j.safetensors")
+    assert d2["report"] == d["report"]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--method", "magic", "--amount", "0.5"], "invalid choice: 'magic'"),
+    (["--amount", "1.5"], "amount 1.5 is out of range"),
+    (["--amount", "-0.1"], "out of range"),
+    (["--amount", "half"], "not a number"),
+    (["--method", "l1_unstructured"], "needs --amount"),
+    (["--pattern", "3y3", "--amount", "0.5"], "is not a pattern"),
+    (["--pattern", "4x1"], "needs --amount"),
+    (["--amount", "0.5", "--layers", "nothing-matches"], "no Linear/Conv layer"),
+])
+def test_prune_bad_arguments(capsys, tmp_path, argv, match):
+    code, _, err = run(capsys, "prune", "--model", MLP, *argv, "--out", tmp_path / "x.safetensors")
+    assert_one_line_error(code, err, 2, match)
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_prune_bad_model_and_weights(capsys, tmp_path, cnn_weights):
+    out = tmp_path / "x.safetensors"
+    for model, match in [("no_such_module_xyz:f", "cannot import"), ("cli_models", "package.module:function"),
+                         (os.path.join(HERE, "cli_models.py") + ":missing", "no attribute 'missing'"),
+                         (os.path.join(HERE, "cli_models.py") + ":not_a_model", "not a torch.nn.Module")]:
+        code, _, err = run(capsys, "prune", "--model", model, "--amount", "0.5", "--out", out)
+        assert_one_line_error(code, err, 2, match)
+    code, _, err = run(capsys, "prune", "--model", CNN, "--weights", tmp_path / "missing.pt", "--amount", "0.5",
+                       "--out", out)
+    assert_one_line_error(code, err, 2, "weights file not found")
+    torch.save(cli_models.make_mlp().state_dict(), tmp_path / "mlp.pt")
+    code, _, err = run(capsys, "prune", "--model", CNN, "--weights", tmp_path / "mlp.pt", "--amount", "0.5",
+                       "--out", out)
+    assert_one_line_error(code, err, 2, "do not fit the model")
+    torch.save(cli_models.make_cnn(), tmp_path / "pickled.pt")
+    code, _, err = run(capsys, "prune", "--model", CNN, "--weights", tmp_path / "pickled.pt", "--amount", "0.5",
+                       "--out", out)
+    assert_one_line_error(code, err, 2, "--trust-pickle")
+    d = run_json(capsys, "prune", "--model", CNN, "--weights", tmp_path / "pickled.pt", "--trust-pickle",
+                 "--amount", "0.5", "--out", out)
+    assert d["report"]["sparsity_layers"] == pytest.approx(0.5, abs=1e-3)
+    code, _, err = run(capsys, "prune", "--model", CNN, "--amount", "0.5", "--out", tmp_path / "no" / "x.safetensors")
+    assert_one_line_error(code, err, 2, "folder does not exist")
+
+
+def test_prune_gradient_config_is_refused(capsys, tmp_path):
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump({"prune_type": "snip_momentum", "target_sparsity": 0.5}))
+    code, _, err = run(capsys, "prune", "--model", MLP, "--config", tmp_path / "s.yaml", "--out", tmp_path / "o.st")
+    assert_one_line_error(code, err, 2, "need training data")
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"prune_type": "magnitude", "traget_sparsity": 0.5}))
+    code, _, err = run(capsys, "prune", "--model", MLP, "--config", tmp_path / "bad.yaml", "--out", tmp_path / "o.st")
+    assert_one_line_error(code, err, 2, "Did you mean 'target_sparsity'")
+
+
+# --------------------------------------------------------------------- compact
+def test_compact_with_amount(capsys, tmp_path, cnn_weights):
+    from prunekit.compact import load_compacted
+
+    out = tmp_path / "small.pt"
+    d = run_json(capsys, "compact", "--model", CNN, "--weights", cnn_weights, "--input-shape", "2,3,8,8",
+                 "--amount", "0.5", "--out", out)
+    assert d["command"] == "compact"
+    assert d["params_after"] < d["params_before"] and d["macs_after"] < d["macs_before"]
+    assert d["max_abs_diff"] < 1e-4
+    shapes = {l["name"]: (l["before"], l["after"]) for l in d["layers"]}
+    assert shapes["0"] == ([16, 3, 3, 3], [8, 3, 3, 3])
+    assert shapes["3"] == ([32, 16, 3, 3], [16, 8, 3, 3])
+    saved = torch.load(out, weights_only=True)
+    again = load_compacted(cli_models.make_cnn(), saved["state_dict"], saved["description"])
+    assert sum(p.numel() for p in again.parameters()) == d["params_after"]
+    code, text, _ = run(capsys, "compact", "--model", CNN, "--weights", cnn_weights, "--input-shape", "2,3,8,8",
+                        "--amount", "0.5", "--out", out)
+    assert code == 0 and "parameters" in text and "16x3x3x3" in text
+
+
+def test_compact_failures(capsys, tmp_path, cnn_weights):
+    out = tmp_path / "small.pt"
+    # no masked channel and no --amount: a failure while working (1), one line
+    code, _, err = run(capsys, "compact", "--model", CNN, "--weights", cnn_weights, "--input-shape", "2,3,8,8",
+                       "--out", out)
+    assert_one_line_error(code, err, 1, "0 whole channels")
+    code, _, err = run(capsys, "compact", "--model", CNN, "--input-shape", "2,5,8,8", "--amount", "0.5", "--out", out)
+    assert_one_line_error(code, err, 2, "does not run on an input of shape [2, 5, 8, 8]")
+    code, _, err = run(capsys, "compact", "--model", CNN, "--input-shape", "2,a", "--out", out)
+    assert_one_line_error(code, err, 2, "input shape")
+    code, _, err = run(capsys, "compact", "--model", CNN, "--input-shape", "2,3,8,8", "--amount", "1.5", "--out", out)
+    assert_one_line_error(code, err, 2, "out of range")
+
+
+# --------------------------------------------------------------------- sparsify
+def test_sparsify_converts_a_very_sparse_layer(capsys, tmp_path):
+    m = cli_models.make_mlp()
+    prunekit.l1_unstructured(m[2], "weight", amount=0.95)
+    save_compressed(m, tmp_path / "s.safetensors")
+    d = run_json(capsys, "sparsify", "--model", MLP, "--weights", tmp_path / "s.safetensors",
+                 "--input-shape", "4,64", "--no-measure", "--report", tmp_path / "r.json")
+    assert d["command"] == "sparsify" and d["candidates"] == 3
+    by = {l["name"]: l for l in d["layers"]}
+    assert by["2"]["converted"] and by["2"]["format"] == "csr"
+    assert not by["0"]["converted"]  # dense layer: below --min-sparsity
+    assert d["converted"] == 1 and d["max_abs_diff"] < 1e-4
+    assert json.loads((tmp_path / "r.json").read_text())["layers"] == d["layers"]
+    code, text, _ = run(capsys, "sparsify", "--model", MLP, "--weights", tmp_path / "s.safetensors",
+                        "--input-shape", "4,64", "--no-measure")
+    assert code == 0 and "1 of 3 layers converted" in text
+
+
+def test_sparsify_needs_weights(capsys):
+    code, _, err = run(capsys, "sparsify", "--model", MLP, "--input-shape", "4,64")
+    assert_one_line_error(code, err, 2, "--weights")
+
+
+# --------------------------------------------------------------------- demo (quick)
+@pytest.fixture(scope="module")
+def quick_demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    buf, errbuf = io.StringIO(), io.StringIO()
+    with redirect_stdout(buf), redirect_stderr(errbuf):
+        code = main(["demo", "--quick", "--out", str(out), "--json"])
+    return code, buf.getvalue(), errbuf.getvalue(), out
+
+
+def test_demo_quick_json(quick_demo):
+    code, stdout, _, out = quick_demo
+    assert code == 0
+    d = json.loads(stdout)
+    assert d == json.loads((out / "results.json").read_text())
+    keys = [r["key"] for r in d["results"]]
+    assert keys == ["oneshot_magnitude_50", "oneshot_magnitude_90", "gradual_magnitude_50", "gradual_magnitude_90",
+                    "gradual_snip_momentum_50", "gradual_snip_momentum_90", "nm_2_4", "channels_50_compacted"]
+    fields = {"key", "method", "target", "sparsity", "accuracy", "params", "nonzero_params", "macs",
+              "effective_macs", "size_bytes", "size_ratio", "latency_ms", "speedup", "note"}
+    dense = d["dense"]
+    assert fields <= set(dense)
+    by = {r["key"]: r for r in d["results"]}
+    for r in d["results"]:
+        assert fields <= set(r)
+        assert 0.0 <= r["accuracy"] <= 1.0 and r["latency_ms"] > 0
+        assert os.path.getsize(out / "checkpoints" / f"{r['key']}.safetensors") == r["size_bytes"]
+    for k in ("oneshot_magnitude_90", "gradual_magnitude_90", "gradual_snip_momentum_90"):
+        assert by[k]["sparsity"] == pytest.approx(0.9, abs=1e-3)
+        assert by[k]["params"] == dense["params"] and by[k]["macs"] == dense["macs"]
+        assert by[k]["size_ratio"] < 0.2
+    assert by["nm_2_4"]["sparsity"] == pytest.approx(0.5, abs=0.01)  # the first conv (1 input channel) is skipped
+    c = by["channels_50_compacted"]
+    assert c["params"] < dense["params"] / 2 and c["macs"] < dense["macs"] / 2
+    assert dense["accuracy"] > 0.9  # a working training recipe, even in the quick run
+    assert [ch["name"].split()[0] for ch in d["checks"]] == ["gradual", "compressed", "compacted"]
+    assert all(isinstance(ch["passed"], bool) for ch in d["checks"])
+    assert d["chosen"] == "gradual_magnitude_90"
+    assert d["chosen_layers"]["sparsity_layers"] == pytest.approx(0.9, abs=1e-3)
+
+
+def test_demo_quick_plots_and_checkpoints(capsys, quick_demo):
+    code, _, _, out = quick_demo
+    for name in ("accuracy_vs_sparsity.png", "layer_sparsity.png"):
+        with open(out / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    code, text, err = run(capsys, "inspect", out / "checkpoints" / "gradual_magnitude_90.safetensors")
+    assert code == 0 and "prunekit-compressed" in text
+
+
+def test_demo_table_rendering(capsys, quick_demo):
+    from prunekit.cli._demo import print_result
+
+    d = json.loads(quick_demo[1])
+    print_result(d)
+    out = capsys.readouterr().out
+    for text in ("one-shot global magnitude", "gradual snip-momentum", "channels + compact", "targets:", "2:4"):
+        assert text in out
+    assert out.count("PASS") + out.count("FAIL") == 3
+
+
+def test_demo_bad_out(capsys, tmp_path):
+    (tmp_path / "file").write_text("x")
+    code, _, err = run(capsys, "demo", "--quick", "--out", tmp_path / "file")
+    assert_one_line_error(code, err, 2, "not a folder")
+    code, _, err = run(capsys, "demo", "--threads", "0")
+    assert_one_line_error(code, err, 2, "--threads")
+
+
+# --------------------------------------------------------------------- the real entry points
+def test_python_dash_m_exit_codes(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(HERE), "src"),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    ok = subprocess.run([sys.executable, "-m", "prunekit", "--version"], capture_output=True, text=True, env=env)
+    assert ok.returncode == 0 and ok.stdout.startswith("prunekit ")
+    bad = subprocess.run([sys.executable, "-m", "prunekit", "inspect", str(tmp_path / "missing.pt")],
+                         capture_output=True, text=True, env=env)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == f"prunekit: error: checkpoint not found: {tmp_path / 'missing.pt'}"
+    assert bad.stdout == ""
