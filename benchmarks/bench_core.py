@@ -321,6 +321,54 @@ def case_repeated_global(prune, ctx: Ctx) -> dict:
     return out
 
 
+def case_tensorplay(prune, ctx: Ctx) -> dict:
+    """prunekit on a ``tensorplay.nn.Linear(4096, 4096)`` (option ``tensorplay``) or on the
+    same ``torch.nn.Linear`` (option ``torch``): l1_unstructured 0.5 and ln_structured 0.5, n=2."""
+    if ctx.option == "tensorplay":
+        try:
+            import tensorplay as tp
+        except ImportError:
+            return {"note": "n/a (tensorplay is not installed)"}
+
+        def make():
+            return tp.from_dlpack(_seeded_linear().weight.detach().clone())
+
+        def module():
+            m = tp.nn.Linear(4096, 4096)
+            with tp.no_grad():
+                m.weight.copy_(make())
+            return m
+
+        warm = tp.nn.Linear(64, 64)
+        prune.l1_unstructured(warm, "weight", amount=0.5)
+        prune.ln_structured(warm, "weight", amount=0.5, n=2, dim=0)
+    else:
+        module = _seeded_linear
+        _warm_up(prune, "l1")
+        _warm_up(prune, "ln")
+    a, b = module(), module()
+    gc.collect()
+    t_l1 = ctx.measure(lambda: prune.l1_unstructured(a, "weight", amount=0.5))
+    t_ln = ctx.measure(lambda: prune.ln_structured(b, "weight", amount=0.5, n=2, dim=0))
+    ok = int((a.weight_mask == 0).sum()) == 4096 * 4096 // 2 and int((b.weight_mask.sum(1) == 0).sum()) == 2048
+    return {"l1_s": t_l1, "ln_s": t_ln, "ok": ok}
+
+
+def _tensorplay_variants(cand: str, ref: str) -> list[tuple[str, str, str]]:
+    return [(f"{cand} tensorplay", cand, "tensorplay"), (f"{cand} torch", cand, "torch")]
+
+
+def _tensorplay_report(s: Summary) -> str:
+    tpl, tch = _tensorplay_variants(s.cand, s.ref)[0][0], _tensorplay_variants(s.cand, s.ref)[1][0]
+    rows = []
+    for key, what in (("l1_s", "l1_unstructured"), ("ln_s", "ln_structured")):
+        a, b = s.med(tpl, key), s.med(tch, key)
+        rows.append([what, "s", a, b, None if not a or b is None else a / b])
+    text = table(["call", "unit", f"{tpl} (median)", f"{tch} (median)", "tensorplay/torch"], rows)
+    notes = [f"   {lab}: {s.first(lab, 'note')}" for lab in (tpl, tch) if s.first(lab, "note")]
+    return "\n".join([text] + notes)
+
+
 # ============================================================================ case registry
 
 
@@ -509,6 +557,11 @@ CASES: dict[str, Case] = {
         "global_unstructured(L1Unstructured, amount=0.2) 5 times over a small stack "
         "(4 x Linear(1024,1024) + 2 x Conv2d(256,256,3))",
         report=_repeated_report, checks=_repeated_checks, env=FIXED_MMAP),
+    "tensorplay": Case(
+        case_tensorplay,
+        "TensorPlay: prunekit on tensorplay.nn.Linear(4096, 4096) vs the same on torch.nn.Linear: "
+        "l1_unstructured 0.5, ln_structured 0.5 n=2 dim=0",
+        variants=_tensorplay_variants, report=_tensorplay_report),
 }
 
 # ============================================================================ parent
