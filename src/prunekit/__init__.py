@@ -60,6 +60,9 @@ _LAZY = {
     "SnipMomentumPruner": ".training",
     "PatternLockPruner": ".training",
     "PruningConfig": ".training",
+    "PrunerConfig": ".training",
+    "PruningCallbacks": ".training",
+    "GradientPruner": ".training",
     "prepare_pruning": ".training",
     "sparsity_report": ".training",
     # compaction (prunekit.compact)
