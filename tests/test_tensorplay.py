@@ -254,3 +254,23 @@ def test_pytorch_only_parts_say_so():
     with pytest.raises(TypeError, match="prunekit.compact works on PyTorch models only; got a tensorplay Linear"):
         require_torch(m, "prunekit.compact")
     require_torch(nn.Linear(4, 3), "prunekit.compact")  # torch models pass
+
+
+@pytest.mark.parametrize("feature", ["compact", "prune_groups", "sparsify_for_inference", "save_compressed"])
+def test_pytorch_only_packages_refuse_tensorplay_models(feature, tmp_path):
+    m = prune.l1_unstructured(tp.nn.Linear(4, 3), "weight", 0.5)
+    if feature == "compact":
+        from prunekit.compact import compact as fn
+        call = lambda: fn(m, tp.randn(1, 4))  # noqa: E731
+    elif feature == "prune_groups":
+        from prunekit.compact import prune_groups as fn
+        call = lambda: fn(m, tp.randn(1, 4), 0.5)  # noqa: E731
+    elif feature == "sparsify_for_inference":
+        from prunekit.sparse import sparsify_for_inference as fn
+        call = lambda: fn(m)  # noqa: E731
+    else:
+        from prunekit.sparse import save_compressed as fn
+        call = lambda: fn(m, tmp_path / "x.safetensors")  # noqa: E731
+    with pytest.raises(TypeError, match="works on PyTorch models only; got a tensorplay Linear"):
+        call()
+    assert prune.is_pruned(m) and int((m.weight_mask == 0).sum()) == 6

@@ -305,6 +305,6 @@ def require_torch(model: Any, feature: str) -> None:
         return
     raise TypeError(
         f"{feature} works on PyTorch models only; got a {b.name} {type(model).__name__}. "
-        f"The pruning API (prunekit.l1_unstructured, ..., prunekit.remove) and the training pruners "
-        f"support {b.name} models; for {feature} use a torch.nn model"
+        f"The pruning API (prunekit.l1_unstructured, ..., global_unstructured, remove, the state-dict "
+        f"helpers) supports {b.name} models; for {feature} use a torch.nn model"
     )

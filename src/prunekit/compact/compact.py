@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from .._backend import require_torch
 from . import _masks
 from .graph import DependencyGraph, Group, Unit, build_dependency_graph
 from .modules import REPLACEMENTS
@@ -200,6 +201,7 @@ def compact(
         >>> small[0].out_features, torch.allclose(small(x), m(x), atol=1e-6)
         (8, True)
     """
+    require_torch(model, "prunekit.compact")
     if not isinstance(model, nn.Module):
         raise TypeError(f"compact expects an nn.Module, got {type(model).__name__}")
     if graph is not None and not inplace:

@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from .._backend import require_torch
 from . import _masks
 from .graph import DependencyGraph, Group, build_dependency_graph
 from .importance import group_importance
@@ -76,6 +77,7 @@ def prune_groups(
         >>> [x.kept for x in d]
         [8]
     """
+    require_torch(model, "prunekit.prune_groups")
     if isinstance(amount, bool) or not isinstance(amount, (int, float)):
         raise TypeError(f"amount must be a float in [0, 1), got {type(amount).__name__}")
     if not 0.0 <= float(amount) < 1.0:

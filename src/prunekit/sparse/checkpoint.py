@@ -41,6 +41,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from .._backend import require_torch
+
 __all__ = ["save_compressed", "load_compressed", "CorruptCheckpointError", "FORMAT_NAME"]
 
 logger = logging.getLogger(__name__)
@@ -354,6 +356,7 @@ def save_compressed(
         >>> os.path.getsize(path) < 0.2 * w.numel() * 4
         True
     """
+    require_torch(model_or_state_dict, "prunekit.sparse (save_compressed)")
     _, st = _safetensors()
     native = _safetensors_dtypes()
     sd = _state_dict_of(model_or_state_dict)

@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .._backend import require_torch
 from .modules import CSRConv2d, CSRLinear, SemiStructuredLinear, SparseInferenceModule, conv2d_unsupported_reason
 
 __all__ = [
@@ -343,6 +344,7 @@ def sparsify_for_inference(
         >>> type(model[0]).__name__
         'Linear'
     """
+    require_torch(model, "prunekit.sparse (sparsify_for_inference)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"sparsify_for_inference: expected an nn.Module, got {type(model).__name__}")
     if format not in _FORMATS:
