@@ -45,6 +45,7 @@ names the operation and the module, e.g. ``"op 'einsum' in module
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -136,7 +137,7 @@ class Unit:
     ``members`` maps ``(module_name, slot_name)`` to the indices of that slot in this unit.
     """
 
-    members: Dict[Tuple[str, str], Tensor]
+    members: Dict[Tuple[str, str], Tensor]  # read-only: units may share index tensors
 
     def width(self) -> int:
         """Channels per unit in its widest slot (32 for a 32-dim head)."""
@@ -189,88 +190,139 @@ class DependencyGraph:
 
 # ------------------------------------------------------------------ union-find
 class _UnionFind:
-    """Union-find over channel ids; a root may carry a "blocked" reason that survives unions."""
+    """Channel ids joined into components; a component may carry a "blocked" reason.
+
+    Unions and blocks are only *recorded* while the model runs (a tensor append each);
+    :meth:`solve` computes every component at once with vectorized hooking and pointer
+    jumping (O(log n) rounds of tensor ops instead of one Python call per union). A
+    component's root is its smallest id; its reason is the one recorded first among
+    its ids.
+    """
 
     def __init__(self) -> None:
-        self.parent: List[int] = []
-        self.blocked: Dict[int, str] = {}
+        self.n = 0
+        self._edges: List[Tensor] = []  # (k, 2) int64 rows to union
+        self._blocks: List[Tuple[Tensor, str]] = []  # ids, reason (in the order recorded)
+        self.roots: Optional[Tensor] = None  # after solve(): root of every id
+        self.blocked: Dict[int, str] = {}  # after solve(): root -> reason
 
     def add(self, n: int) -> int:
-        start = len(self.parent)
-        self.parent.extend(range(start, start + n))
+        start = self.n
+        self.n += n
+        self.roots = None
         return start
-
-    def find(self, x: int) -> int:
-        p = self.parent
-        root = x
-        while p[root] != root:
-            root = p[root]
-        while p[x] != root:
-            p[x], x = root, p[x]
-        return root
-
-    def union(self, a: int, b: int) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra == rb:
-            return
-        if ra < rb:
-            ra, rb = rb, ra
-        self.parent[ra] = rb
-        reason = self.blocked.pop(ra, None)
-        if reason is not None:
-            self.blocked.setdefault(rb, reason)
 
     def union_pairs(self, pairs: Tensor) -> None:
         """Union every row (a, b) of an (N, 2) int64 tensor where both are >= 0."""
         if pairs.numel() == 0:
             return
-        pairs = pairs[(pairs >= 0).all(dim=1)]
-        if pairs.numel() == 0:
-            return
-        base = len(self.parent) + 1
-        keys = torch.unique(pairs[:, 0] * base + pairs[:, 1])  # 1-d unique: much faster than rows
-        pairs = torch.stack([keys // base, keys % base], dim=1)
-        for a, b in pairs.tolist():
-            if a != b:
-                self.union(a, b)
+        pairs = pairs.reshape(-1, 2)
+        pairs = pairs[(pairs >= 0).all(dim=1) & (pairs[:, 0] != pairs[:, 1])]
+        if pairs.numel():
+            self._edges.append(pairs.to(torch.long))
+            self.roots = None
 
-    def block(self, ids: Iterable[int], reason: str) -> None:
-        for i in ids:
-            if i >= 0:
-                self.blocked.setdefault(self.find(i), reason)
+    def block(self, ids: Tensor, reason: str) -> None:
+        ids = ids.reshape(-1).to(torch.long)
+        ids = ids[ids >= 0]
+        if ids.numel():
+            self._blocks.append((ids, reason))
+            self.roots = None
+
+    def solve(self) -> Tensor:
+        """Root (smallest id) of every id's component; fills :attr:`blocked`."""
+        if self.roots is not None:
+            return self.roots
+        parent = torch.arange(self.n, dtype=torch.long)
+        if self._edges:
+            edges = torch.cat(self._edges)
+            self._edges = [edges]
+            a, b = edges[:, 0], edges[:, 1]
+            while True:
+                pa, pb = parent[a], parent[b]
+                differ = pa != pb
+                if not bool(differ.any()):
+                    break
+                pa, pb = pa[differ], pb[differ]
+                lo = torch.minimum(pa, pb)
+                # hook each root onto the smallest root it touches (roots only decrease: no cycles)
+                parent.scatter_reduce_(0, torch.maximum(pa, pb), lo, reduce="amin")
+                while True:  # pointer jumping until every id points at its root
+                    nxt = parent[parent]
+                    if torch.equal(nxt, parent):
+                        break
+                    parent = nxt
+        self.blocked = {}
+        if self._blocks:
+            ids = torch.cat([i for i, _ in self._blocks])
+            order = torch.repeat_interleave(
+                torch.arange(len(self._blocks)), torch.tensor([int(i.numel()) for i, _ in self._blocks])
+            )
+            first = torch.full((self.n,), len(self._blocks), dtype=torch.long)
+            first.scatter_reduce_(0, parent[ids], order, reduce="amin")
+            hit = (first < len(self._blocks)).nonzero().view(-1)
+            self.blocked = {r: self._blocks[k][1] for r, k in zip(hit.tolist(), first[hit].tolist())}
+        self.roots = parent
+        return parent
+
+    def find(self, x: int) -> int:
+        return int(self.solve()[x])
 
     def reason(self, i: int) -> Optional[str]:
         return self.blocked.get(self.find(i))
 
 
+def _core(s: Tensor, keep: Sequence[int] = ()) -> Tensor:
+    """Narrow a canonical shadow to one position along every constant (stride-0) dim.
+
+    ``keep``: dims left whole. Exact for union purposes: a 1x64x112x112 layer-output
+    shadow becomes 1x64x1x1 without reading any element.
+    """
+    for d in range(s.dim()):
+        if s.shape[d] > 1 and s.stride(d) == 0 and d not in keep:
+            s = s.narrow(d, 0, 1)
+    return s
+
+
+def _canonical(s: Tensor) -> Tensor:
+    """The same labels as a view whose stride is 0 along exactly the dims where they are constant.
+
+    Every stored shadow is canonical, so "which dims vary" is read from strides and
+    every later rule works on the small core. Only non-stride-0 dims are checked, on
+    the already narrowed core.
+    """
+    r = _core(s)
+    for d in range(r.dim()):
+        if r.shape[d] > 1 and bool((r == r.narrow(d, 0, 1)).all()):
+            r = r.narrow(d, 0, 1)
+    return r.expand(s.shape) if r.shape != s.shape else s
+
+
 def _uniq(t: Tensor) -> List[int]:
     if t.dim():
-        (t,) = _squeeze_constant(t)
+        t = _core(t)
     t = t.reshape(-1)
     t = t[t >= 0]
     return torch.unique(t).tolist() if t.numel() else []
 
 
 def _squeeze_constant(*shadows: Tensor) -> List[Tensor]:
-    """Narrow (same-shape) shadows to one position along every dim where all are constant.
-
-    Exact for union purposes, and it turns a 1x64x112x112 shadow into 1x64x1x1 before
-    any sort-based deduplication.
-    """
+    """Narrow (same-shape, canonical) shadows to one position along every dim where all are constant."""
     out = list(shadows)
     for d in range(out[0].dim()):
-        if out[0].shape[d] > 1 and all(s.stride(d) == 0 or bool((s == s.narrow(d, 0, 1)).all()) for s in out):
+        if out[0].shape[d] > 1 and all(s.stride(d) == 0 for s in out):
             out = [s.narrow(d, 0, 1) for s in out]
     return out
 
 
 def _varying_dims(s: Tensor) -> List[int]:
-    """Dimensions along which a shadow's labels change."""
-    dims = []
-    for d in range(s.dim()):
-        if s.shape[d] > 1 and s.stride(d) != 0 and bool((s != s.narrow(d, 0, 1)).any()):
-            dims.append(d)
-    return dims
+    """Dimensions along which a canonical shadow's labels change."""
+    return [d for d in range(s.dim()) if s.shape[d] > 1 and s.stride(d) != 0]
+
+
+def _fixed(shape: Sequence[int]) -> Tensor:
+    """The shadow of a tensor without channel ids: -1 everywhere, as a zero-copy view."""
+    return torch.full((), -1, dtype=torch.long).expand(tuple(shape))
 
 
 # ------------------------------------------------------------------ tracer
@@ -315,23 +367,36 @@ class Tracer:
         return torch.arange(info.start, info.start + info.spec.size)
 
     def shadow(self, t: Any) -> Optional[Tensor]:
+        """The shadow of ``t`` (canonical: stride 0 exactly along its constant dims), or None."""
         if not isinstance(t, Tensor):
             return None
         entry = self.shadows.get(id(t))
-        if entry is None or entry[0] is not t:
+        if entry is None or entry[0]() is not t:
             return None
         return entry[1]
 
-    def set_shadow(self, t: Tensor, s: Optional[Tensor]) -> None:
+    def set_shadow(self, t: Tensor, s: Optional[Tensor], canonical: bool = False) -> None:
+        key = id(t)
         if s is None:
-            self.shadows.pop(id(t), None)
+            self.shadows.pop(key, None)
             return
         if s.shape != t.shape:
             raise RuntimeError(f"internal: shadow shape {tuple(s.shape)} != tensor shape {tuple(t.shape)}")
-        if bool((_squeeze_constant(s)[0] >= 0).any()) if s.dim() else int(s) >= 0:
-            self.shadows[id(t)] = (t, s)
-        else:
-            self.shadows.pop(id(t), None)
+        if not canonical:
+            s = _canonical(s)
+        if not bool((_core(s) >= 0).any()):
+            self.shadows.pop(key, None)
+            return
+        # A weak reference: activations are freed as the model runs (as without tracing);
+        # the entry goes with its tensor (an id can be reused by a later tensor).
+        shadows = self.shadows
+
+        def _gone(ref: Any, key: int = key) -> None:
+            e = shadows.get(key)
+            if e is not None and e[0] is ref:
+                del shadows[key]
+
+        self.shadows[key] = (weakref.ref(t, _gone), s)
 
     def tie(self, ids: Tensor) -> None:
         """Union each row of a 2-D id tensor into one unit."""
@@ -344,7 +409,9 @@ class Tracer:
 
     def block(self, ids: Any, reason: str) -> None:
         if isinstance(ids, Tensor):
-            ids = _uniq(ids)
+            ids = _core(ids) if ids.dim() else ids
+        else:
+            ids = torch.tensor(list(ids), dtype=torch.long)
         self.uf.block(ids, reason)
 
     def bind(self, x: Any, dim: int, ids: Tensor, what: str = "") -> None:
@@ -359,9 +426,10 @@ class Tracer:
         if s is None:
             self.block(ids, f"input of module '{self.where}' does not come from a prunable layer")
             return
-        s = s.movedim(dim, -1)
-        (s,) = _squeeze_constant(s)
-        s = torch.unique(s.reshape(-1, ids.numel()), dim=0)
+        s = _core(s.movedim(dim, -1), keep=(x.dim() - 1,))
+        s = s.reshape(-1, ids.numel())
+        if s.shape[0] > 1:
+            s = torch.unique(s, dim=0)
         pairs = torch.stack([s, ids.view(1, -1).expand_as(s)], dim=-1).reshape(-1, 2)
         unlabeled = pairs[pairs[:, 0] < 0, 1]
         if unlabeled.numel():
@@ -375,7 +443,8 @@ class Tracer:
         dim = dim % out.dim()
         shape = [1] * out.dim()
         shape[dim] = ids.numel()
-        self.set_shadow(out, ids.view(shape).expand(out.shape))  # shadows are never mutated: views are fine
+        # shadows are never mutated: a zero-copy view; slot ids are distinct, so it is canonical
+        self.set_shadow(out, ids.view(shape).expand(out.shape), canonical=ids.numel() > 1)
 
     # ---- hooks
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -391,7 +460,8 @@ class Tracer:
                 self.order.append(name)
                 self.stack.append(name)
                 try:
-                    self.handlers[name].trace(module, name, self, args, kwargs, output)
+                    with torch._C.DisableTorchFunction():  # the handler's own tensor work is not traced
+                        self.handlers[name].trace(module, name, self, args, kwargs, output)
                 finally:
                     self.stack.pop()
 
@@ -409,13 +479,13 @@ class Tracer:
                 self._pointwise(name, args, kwargs, out)
             elif base in SAME:
                 if isinstance(out, Tensor) and out.shape == args[0].shape and self.shadow(args[0]) is not None:
-                    self.set_shadow(out, self.shadow(args[0]))
+                    self.set_shadow(out, self.shadow(args[0]), canonical=True)
             elif base in SHAPE:
                 self._shape(func, args, kwargs, out)
             elif base in MULTI:
                 res = func(self.shadow(args[0]), *args[1:], **kwargs)
                 for o, s in zip(out, res):
-                    self.set_shadow(o, s.clone())
+                    self.set_shadow(o, s)
             elif base in CAT:
                 self._cat(func, args, kwargs, out)
             elif base in SOFTMAX:
@@ -452,7 +522,7 @@ class Tracer:
         if isinstance(a, Tensor):
             s = self.shadow(a)
             if s is None:
-                s = torch.full(a.shape, -1, dtype=torch.long)
+                s = _fixed(a.shape)
             return s, a.shape
         return None, None
 
@@ -462,7 +532,7 @@ class Tracer:
         shape = out.shape
         operands = [self._operand(a, shape) for a in list(args) + list(kwargs.values())]
         operands = [(s, sh) for s, sh in operands if s is not None]
-        labeled = [(s, sh) for s, sh in operands if bool((_squeeze_constant(s)[0] >= 0).any())]
+        labeled = [(s, sh) for s, sh in operands if bool((_core(s) >= 0).any())]
         if not labeled:
             self.set_shadow(out, None)
             return
@@ -488,7 +558,7 @@ class Tracer:
             # without channel ids that varies along the channel -> not removable
             one_sided = (full[0] >= 0) != (other >= 0)
             if bool(one_sided.any()):
-                self.block(torch.where(one_sided, base, torch.full_like(base, -1)), f"op '{name}' in module '{self.where}' adds channels to fixed values")
+                self.block(base[one_sided], f"op '{name}' in module '{self.where}' adds channels to fixed values")
         self.set_shadow(out, base.expand(shape))
 
     def _shape(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
@@ -522,9 +592,22 @@ class Tracer:
         shadows = []
         for t in seq:
             s = self.shadow(t)
-            shadows.append(s if s is not None else torch.full(t.shape, -1, dtype=torch.long))
-        res = func(shadows, *args[1:], **kwargs)
+            shadows.append(s if s is not None else _fixed(t.shape))
         # positions that came from a fixed tensor stay -1; consumers block them
+        if _op_name(func) in ("cat", "concat", "concatenate") and isinstance(out, Tensor) and len(
+            {s.dim() for s in shadows}
+        ) == 1 and shadows[0].dim():
+            cdim = kwargs.get("dim", args[1] if len(args) > 1 else 0) % shadows[0].dim()
+            # narrow the dims constant in every piece (not the cat dim): the result is the same view
+            narrow = [
+                d for d in range(shadows[0].dim()) if d != cdim and all(s.shape[d] > 1 and s.stride(d) == 0 for s in shadows)
+            ]
+            small = [s for s in shadows]
+            for d in narrow:
+                small = [s.narrow(d, 0, 1) for s in small]
+            res = torch.cat(small, dim=cdim).expand(out.shape)
+        else:
+            res = func(shadows, *args[1:], **kwargs)
         self.set_shadow(out, res)
 
     def _softmax(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
@@ -536,7 +619,7 @@ class Tracer:
             self.block(s, f"op '{name}' in module '{self.where}' normalizes across channels")
             self.set_shadow(out, None)
         else:
-            self.set_shadow(out, s.clone())
+            self.set_shadow(out, s, canonical=True)
 
     def _reduce(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         s = self.shadow(args[0])
@@ -560,7 +643,7 @@ class Tracer:
             if not keepdim:
                 r = r.squeeze(d)
         r = r.reshape(value.shape)
-        self.set_shadow(value, r.clone())
+        self.set_shadow(value, r)
         if isinstance(out, tuple):
             for o in out[1:]:
                 self.set_shadow(o, None)
@@ -572,12 +655,13 @@ class Tracer:
             raise RuntimeError("pool on 1-d")
         # channel-wise ops over trailing spatial dims: labels must not vary spatially
         lead = 2 if value.dim() == s.dim() and s.dim() >= 3 else 1
-        spatial = s.flatten(lead)
-        if spatial.shape[-1] and bool((spatial != spatial[..., :1]).any()):
+        if torch.Size(s.shape[lead:]).numel() and any(d >= lead for d in _varying_dims(s)):
             self.block(s, f"op '{name}' in module '{self.where}' pools across channels")
             self.set_shadow(value, None)
             return
-        r = spatial[..., 0]
+        r = s
+        for _ in range(lead, s.dim()):
+            r = r.select(lead, 0)
         r = r.reshape(r.shape + (1,) * (value.dim() - r.dim())).expand(value.shape)
         self.set_shadow(value, r)
         if isinstance(out, tuple):
@@ -588,16 +672,18 @@ class Tracer:
         """Union the contracted dims of a @ b; returns broadcast shadows and whether each varies."""
         sa = self.shadow(a)
         sb = self.shadow(b)
-        sa = sa if sa is not None else torch.full(a.shape, -1, dtype=torch.long)
-        sb = sb if sb is not None else torch.full(b.shape, -1, dtype=torch.long)
+        sa = sa if sa is not None else _fixed(a.shape)
+        sb = sb if sb is not None else _fixed(b.shape)
         if sa.dim() < 2 or sb.dim() < 2:
             raise RuntimeError("1-d matmul")
         va = (sa.dim() - 1) in _varying_dims(sa)
         vb = (sb.dim() - 2) in _varying_dims(sb)
         if va or vb:
             # rows of a (..., n, k) against columns of b (..., k, m), per contracted index
-            ra = torch.unique(sa.movedim(-1, 0).reshape(sa.shape[-1], -1), dim=1)  # (k, ra)
-            rb = torch.unique(sb.movedim(-2, 0).reshape(sb.shape[-2], -1), dim=1)  # (k, rb)
+            ca = _core(sa, keep=(sa.dim() - 1,))  # constant dims add no new columns
+            cb = _core(sb, keep=(sb.dim() - 2,))
+            ra = torch.unique(ca.movedim(-1, 0).reshape(ca.shape[-1], -1), dim=1)  # (k, ra)
+            rb = torch.unique(cb.movedim(-2, 0).reshape(cb.shape[-2], -1), dim=1)  # (k, rb)
             pa = ra.unsqueeze(2).expand(-1, -1, rb.shape[1])
             pb = rb.unsqueeze(1).expand(-1, ra.shape[1], -1)
             pairs = torch.stack([pa.reshape(-1), pb.reshape(-1)], dim=1)
@@ -626,9 +712,9 @@ class Tracer:
             self.block(cols, f"op '{name}' in module '{self.where}' forms an outer product of channels")
             return None
         if rl:
-            return rows.expand(out.shape).clone()
+            return rows.expand(out.shape)
         if cl:
-            return cols.expand(out.shape).clone()
+            return cols.expand(out.shape)
         return None
 
     def _sdpa(self, args: tuple, kwargs: dict, out: Any) -> None:
@@ -646,7 +732,7 @@ class Tracer:
             self.set_shadow(out, None)
             return
         cols = sv.narrow(-2, 0, 1)
-        self.set_shadow(out, cols.expand(out.shape).clone())
+        self.set_shadow(out, cols.expand(out.shape))
 
     # ---- run
     def run(self, example_inputs: Any, ignored: Sequence[str]) -> Any:
@@ -679,8 +765,14 @@ class Tracer:
         was_training = [(m, m.training) for m in self.model.modules()]
         self.model.eval()
         args, kwargs = _split_inputs(example_inputs)
+        # No autograd: nothing here needs gradients, and recording them costs about a
+        # quarter of the forward pass. Fused inference fast paths (nn.MultiheadAttention,
+        # nn.TransformerEncoder[Layer]) stay off: they are skipped whenever a torch function
+        # mode is active, and the fast-path switch is turned off as well while tracing.
+        fastpath = torch.backends.mha.get_fastpath_enabled()
         try:
-            with torch.enable_grad(), _Mode():
+            torch.backends.mha.set_fastpath_enabled(False)
+            with torch.no_grad(), _Mode():
                 output = self.model(*args, **kwargs)
         except TraceError:
             raise
@@ -692,6 +784,7 @@ class Tracer:
                 "model(*example_inputs) accepts."
             ) from exc
         finally:
+            torch.backends.mha.set_fastpath_enabled(fastpath)
             for h in hooks:
                 h.remove()
             for m, t in was_training:
@@ -790,20 +883,58 @@ def build_dependency_graph(
 
 
 def _collect(tracer: Tracer, ignored: Tuple[str, ...]) -> DependencyGraph:
+    """Units (components of slot ids) grouped by the slots they span and their blocked reason.
+
+    Units are ordered by their smallest id and groups by their first unit, i.e. by the
+    order in which the slots were first seen.
+    """
     uf = tracer.uf
-    by_root: Dict[int, Dict[Tuple[str, str], List[int]]] = {}
-    for key, info in tracer.slots.items():
-        for i in range(info.spec.size):
-            by_root.setdefault(uf.find(info.start + i), {}).setdefault(key, []).append(i)
+    roots = uf.solve()
+    keys = list(tracer.slots)
+    if not keys:
+        return DependencyGraph(tracer.model, [], tracer.slots, tracer.handlers, ignored)
+    infos = [tracer.slots[k] for k in keys]
+    starts = torch.tensor([i.start for i in infos])
+    sizes = torch.tensor([i.spec.size for i in infos])
+    ids = torch.cat([torch.arange(i.start, i.start + i.spec.size) for i in infos])
+    slot_no = torch.repeat_interleave(torch.arange(len(keys)), sizes)
+    index = ids - torch.repeat_interleave(starts, sizes)  # position inside its slot
+    r = roots[ids]
+    # sort by (root, slot, index): consecutive runs are one unit's members
+    order = torch.argsort((r * len(keys) + slot_no) * (int(sizes.max()) + 1) + index)
+    r, slot_no, index = r[order], slot_no[order], index[order]
+    # runs of equal (root, slot): one member tensor each
+    run_key = r * len(keys) + slot_no
+    run_start = torch.ones_like(run_key, dtype=torch.bool)
+    run_start[1:] = run_key[1:] != run_key[:-1]
+    starts_at = run_start.nonzero().view(-1)
+    run_len = torch.diff(torch.cat([starts_at, torch.tensor([run_key.numel()])])).tolist()
+    run_root = r[starts_at]
+    # one index tensor per (unit, slot); single indices share one tensor per value
+    singles = torch.arange(int(sizes.max())).view(-1, 1).unbind()
+    if max(run_len) == 1:
+        pieces = [singles[i] for i in index.tolist()]
+    else:
+        pieces = list(torch.split(index, run_len))
+        for k in (torch.tensor(run_len) == 1).nonzero().view(-1).tolist():
+            pieces[k] = singles[int(pieces[k])]
+    # runs of equal root: one unit each
+    unit_start = torch.ones_like(run_root, dtype=torch.bool)
+    unit_start[1:] = run_root[1:] != run_root[:-1]
+    bounds = unit_start.nonzero().view(-1).tolist() + [run_root.numel()]
+    unit_roots = run_root[unit_start].tolist()
+    run_slot = slot_no[starts_at].tolist()
+    run_key_names = [keys[i] for i in run_slot]
+    blocked = uf.blocked
     groups_by_key: Dict[Tuple[Any, ...], Group] = {}
-    for r, members in by_root.items():
-        sig = tuple(sorted(members))
-        reason = uf.blocked.get(r)
-        unit = Unit({k: torch.tensor(v, dtype=torch.long) for k, v in members.items()})
-        g = groups_by_key.get((sig, reason))
+    for u, root in enumerate(unit_roots):
+        lo, hi = bounds[u], bounds[u + 1]
+        sig = (tuple(run_slot[lo:hi]), blocked.get(root))
+        g = groups_by_key.get(sig)
         if g is None:
-            g = groups_by_key[(sig, reason)] = Group(sig, [], blocked=reason)
-        g.units.append(unit)
+            g = groups_by_key[sig] = Group(tuple(sorted(run_key_names[lo:hi])), [], blocked=sig[1])
+        # members in slot order, as the slots were first seen
+        g.units.append(Unit(dict(zip(run_key_names[lo:hi], pieces[lo:hi]))))
     return DependencyGraph(tracer.model, list(groups_by_key.values()), tracer.slots, tracer.handlers, ignored)
 
 
@@ -814,19 +945,20 @@ def _default_final_layers(tracer: Tracer) -> List[str]:
     add), so a transformer block's last projection, which feeds a residual stream, is
     not mistaken for a classifier.
     """
+    roots = tracer.uf.solve()
     candidates = []
     for (mname, sname), info in tracer.slots.items():
         if info.spec.role != "out" or not tracer.handlers[mname].classifier:
             continue
-        ids = range(info.start, info.start + info.spec.size)
-        roots = [tracer.uf.find(i) for i in ids]
-        if len(set(roots)) != info.spec.size // max(info.spec.tie, 1):
+        mine = roots[info.start : info.start + info.spec.size]
+        uniq = set(mine.tolist())
+        if len(uniq) != info.spec.size // max(info.spec.tie, 1):
             continue  # coupled with something else
-        if not all(tracer.uf.blocked.get(r) == _OUTPUT_REASON for r in roots):
+        if not all(tracer.uf.blocked.get(r) == _OUTPUT_REASON for r in uniq):
             continue
         alone = True
         for (m2, s2), i2 in tracer.slots.items():
-            if (m2, s2) != (mname, sname) and any(tracer.uf.find(j) in set(roots) for j in range(i2.start, i2.start + i2.spec.size)):
+            if (m2, s2) != (mname, sname) and bool(torch.isin(roots[i2.start : i2.start + i2.spec.size], mine).any()):
                 alone = False
                 break
         if alone:
