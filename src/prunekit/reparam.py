@@ -353,9 +353,12 @@ def remove(module: nn.Module, name: str) -> nn.Module:
     mask = module._buffers[name + "_mask"]
     b = backend_of(module) or TORCH
     with b.no_grad():
+        # pruned entries become +0.0 (a plain product would leave -0.0 for negative
+        # weights: equal to 0, but a sign bit per zero that compressed checkpoints must keep)
         if mask.dtype == b.bool:
             orig.masked_fill_(~mask, 0)
         else:
+            orig.masked_fill_(mask == 0, 0)
             b.mul_(orig, mask)
     del module._forward_pre_hooks[key]
     _set_names(module, pruned_names(module) - {name})

@@ -50,7 +50,7 @@ def dense_state_dict(source: Union[nn.Module, Mapping[str, Tensor]]) -> "Ordered
             mask = sd[base + "_mask"]
             b = backend_of(value) or TORCH
             with b.no_grad():
-                out[base] = value * mask.to(value.dtype) if mask.dtype != b.bool else value.masked_fill(~mask, 0)
+                out[base] = (value * mask.to(value.dtype)).masked_fill_(mask == 0, 0) if mask.dtype != b.bool else value.masked_fill(~mask, 0)  # +0.0, as remove()
         elif key.endswith("_mask") and key[:-5] + "_orig" in sd:
             continue
         else:
