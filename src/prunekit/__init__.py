@@ -14,6 +14,7 @@ from typing import Any
 
 from .base import BasePruningMethod
 from .container import PruningContainer
+from ._backend import FrameworkMismatchError
 from .errors import PruningError
 from .global_ import global_unstructured
 from .kernels.amount import (
@@ -101,6 +102,7 @@ __all__ = [
     "LnStructured",
     "PruningContainer",
     "PruningError",
+    "FrameworkMismatchError",
     "RandomStructured",
     "RandomUnstructured",
     "StateDictMismatchError",
