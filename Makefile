@@ -21,6 +21,8 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
+	$(PY) examples/tensorplay_quickstart.py
+	$(VENV)/bin/prunekit demo --out demo-out
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_core.py
