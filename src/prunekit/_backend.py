@@ -45,6 +45,7 @@ __all__ = [
     "backend_of_class",
     "is_module",
     "is_tensor",
+    "optimizer_backend",
     "require_torch",
     "same_backend",
 ]
@@ -69,6 +70,9 @@ class Backend:
         self.bool = ns.bool
         self.float32 = ns.float32
         self.float64 = ns.float64
+        self.float16 = ns.float16
+        self.bfloat16 = ns.bfloat16
+        self.int16 = ns.int16
         self.int32 = ns.int32
         self.int64 = ns.int64
         self.contiguous_format = ns.contiguous_format
@@ -90,9 +94,9 @@ class Backend:
         return t.numel()
 
     @staticmethod
-    def topk(t: Any, k: int, largest: bool = True) -> Tuple[Any, Any]:
+    def topk(t: Any, k: int, largest: bool = True, sorted: bool = True) -> Tuple[Any, Any]:
         """``(values, indices)`` of the ``k`` largest (or smallest) entries of a 1-D tensor."""
-        r = t.topk(k, largest=largest)
+        r = t.topk(k, largest=largest, sorted=sorted)
         return r[0], r[1]
 
     @staticmethod
@@ -276,6 +280,26 @@ def is_tensor(obj: Any) -> bool:
         return True
     tp = _tensorplay()
     return tp is not None and isinstance(obj, tp.Tensor)
+
+
+def optimizer_backend(obj: Any) -> Optional[Backend]:
+    """The backend of an optimizer (``torch.optim.Optimizer`` or ``tensorplay.optim.Optimizer``), else ``None``.
+
+    Both keep per-parameter state in ``optimizer.state[param]`` (a dict of
+    tensors) and offer ``register_step_pre_hook`` / ``register_step_post_hook``.
+
+    Example:
+        >>> import torch
+        >>> from prunekit._backend import optimizer_backend
+        >>> optimizer_backend(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)).name
+        'torch'
+    """
+    if isinstance(obj, torch.optim.Optimizer):
+        return TORCH
+    tp = _tensorplay()
+    if tp is not None and isinstance(obj, tp.ns.optim.Optimizer):
+        return tp
+    return None
 
 
 def same_backend(b: Backend, obj: Any, what: str, where: str) -> None:

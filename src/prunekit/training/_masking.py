@@ -7,10 +7,11 @@ dict of the model always see the current masks.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
-import torch
 from torch import Tensor, nn
+
+from .._backend import TORCH, backend_of, is_tensor
 
 __all__ = ["is_reparametrized", "ensure_mask", "get_orig", "get_mask", "effective_weight", "clear_optimizer_state"]
 
@@ -46,7 +47,8 @@ def ensure_mask(module: nn.Module, name: str = "weight", init: Optional[Tensor] 
     if is_reparametrized(module, name):
         return get_mask(module, name)
     w = getattr(module, name)
-    mask = torch.ones_like(w) if init is None else init.to(device=w.device, dtype=w.dtype)
+    b = backend_of(w) or TORCH
+    mask = b.ns.ones_like(w) if init is None else init.to(device=w.device, dtype=w.dtype)
     _custom_from_mask()(module, name, mask=mask)
     return get_mask(module, name)
 
@@ -58,20 +60,23 @@ def effective_weight(module: nn.Module, name: str = "weight") -> Tensor:
     return orig * (mask if mask.dtype == orig.dtype else mask.to(orig.dtype))
 
 
-def clear_optimizer_state(optimizers: Iterable[torch.optim.Optimizer], param: Tensor, keep: Tensor) -> int:
+def clear_optimizer_state(optimizers: Iterable[Any], param: Tensor, keep: Tensor) -> int:
     """Zero every per-entry optimizer state tensor of ``param`` where ``keep`` is 0.
 
     Momentum buffers, Adam's moments and any other state with the parameter's
     shape are cleared at pruned entries; scalars (``step``) are left alone.
+    Works for ``torch.optim`` and ``tensorplay.optim`` optimizers alike (both
+    keep ``optimizer.state[param]`` as a dict of tensors).
     Returns the number of state tensors touched.
     """
+    b = backend_of(param) or TORCH
     touched = 0
     for opt in optimizers:
         state = opt.state.get(param)
         if not state:
             continue
         for value in state.values():
-            if torch.is_tensor(value) and value.shape == param.shape:
-                value.mul_(keep.to(value.dtype))
+            if is_tensor(value) and tuple(value.shape) == tuple(param.shape):
+                b.mul_(value, keep.to(value.dtype))
                 touched += 1
     return touched

@@ -18,8 +18,9 @@ from __future__ import annotations
 import math
 from typing import List, Sequence
 
-import torch
 from torch import Tensor
+
+from .._backend import TORCH, backend_of
 
 __all__ = ["local_counts", "global_counts", "check_feasible"]
 
@@ -152,7 +153,8 @@ def global_counts(budget: int, unit_scores: Sequence[Tensor], unit_numel: Sequen
     n = len(unit_scores)
     if n == 0:
         return []
-    sorted_scores = [torch.sort(s.float().reshape(-1))[0] for s in unit_scores]
+    b = backend_of(unit_scores[0]) or TORCH
+    sorted_scores = [b.ns.sort(s.float().reshape(-1))[0] for s in unit_scores]
     counts = [int(l) for l in lo]
     spent = sum(c * u for c, u in zip(counts, unit_numel))
     # candidates: each layer's units ranked lo..hi-1 (those beyond hi may not be taken)
@@ -161,11 +163,11 @@ def global_counts(budget: int, unit_scores: Sequence[Tensor], unit_numel: Sequen
         c = s[counts[i]:hi[i]]
         c = c[c != float("inf")]
         cand_scores.append(c)
-        cand_layer.append(torch.full((c.numel(),), i, dtype=torch.long))
+        cand_layer.append(b.ns.full((c.numel(),), i, dtype=b.int64, device=c.device))
     if not cand_scores:
         return counts
-    scores = torch.cat(cand_scores)
-    layers = torch.cat(cand_layer)
+    scores = b.ns.cat(cand_scores)
+    layers = b.ns.cat(cand_layer)
     remaining = budget - spent
     if remaining <= 0 or scores.numel() == 0:
         return counts
@@ -173,10 +175,10 @@ def global_counts(budget: int, unit_scores: Sequence[Tensor], unit_numel: Sequen
     if uniform:
         u = unit_numel[0]
         k = min(int(round(remaining / u)), scores.numel())
-        idx = torch.topk(scores, k, largest=False, sorted=False)[1]
-        add = torch.bincount(layers[idx], minlength=n)
+        idx = b.topk(scores, k, largest=False, sorted=False)[1]
+        add = b.ns.bincount(layers[idx], minlength=n)
         return [c + int(a) for c, a in zip(counts, add.tolist())]
-    order = torch.argsort(scores, stable=True)
+    order = b.ns.argsort(scores, stable=True)
     for j in order.tolist():
         i = int(layers[j])
         u = unit_numel[i]

@@ -50,8 +50,9 @@ import math
 import re
 from typing import Optional, Sequence, Tuple
 
-import torch
 from torch import Tensor
+
+from .._backend import TORCH, Backend, backend_of
 
 __all__ = [
     "Pattern",
@@ -106,6 +107,10 @@ def from_2d(m: Tensor, shape: Sequence[int]) -> Tensor:
     return v.permute(*perm).contiguous()
 
 
+def _b(t: Tensor) -> Backend:
+    return backend_of(t) or TORCH
+
+
 def _in_channels(shape: Sequence[int]) -> int:
     if len(shape) <= 1:
         return int(shape[0]) if shape else 1
@@ -128,13 +133,14 @@ def select_lowest(scores: Tensor, k: int) -> Tensor:
         >>> select_lowest(torch.tensor([3., 1., 1., 2.]), 2)
         tensor([False,  True,  True, False])
     """
-    out = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    b = _b(scores)
+    out = b.ns.zeros(tuple(scores.shape), dtype=b.bool, device=scores.device)
     if k <= 0:
         return out
-    finite = int(torch.isfinite(scores).sum()) + int((scores == float("-inf")).sum())
+    finite = int(b.ns.isfinite(scores).sum()) + int((scores == float("-inf")).sum())
     if k > finite:
         raise ValueError(f"cannot select {k} entries: only {finite} are eligible")
-    idx = torch.topk(scores, k, largest=False, sorted=False)[1]
+    idx = b.topk(scores, k, largest=False, sorted=False)[1]
     out[idx] = True
     return out
 
@@ -187,12 +193,13 @@ class Pattern:
         Within each group the ``max_pruned_per_group`` lowest-scored units are
         eligible, so choosing the lowest eligible units never breaks the limit.
         """
+        b = _b(unit_scores)
         if self.group_size is None:
-            return torch.ones_like(unit_scores, dtype=torch.bool)
+            return b.ns.ones_like(unit_scores, dtype=b.bool)
         g = unit_scores.reshape(-1, self.group_size)
-        order = torch.argsort(g, dim=1, stable=True)
-        rank = torch.empty_like(order)
-        rank.scatter_(1, order, torch.arange(self.group_size, device=g.device).expand_as(order))
+        order = b.ns.argsort(g, dim=1, stable=True)
+        rank = b.ns.empty_like(order)
+        rank.scatter_(1, order, b.ns.arange(self.group_size, device=g.device).expand_as(order))
         return (rank < self.max_pruned_per_group).reshape(-1)
 
     def max_units(self, shape: Sequence[int]) -> int:
@@ -217,11 +224,12 @@ class Pattern:
         reason = self.check(scores.shape)
         if reason is not None:
             raise ValueError(f"pattern {self.name!r} does not fit a tensor of shape {tuple(scores.shape)}: {reason}")
+        b = _b(scores)
         u = self.unit_scores(scores)
         if pruned is not None:
-            already = self.to_units(pruned.to(torch.bool)).any(dim=1)
-            u = torch.where(already, torch.full_like(u, float("-inf")), u)
-        u = torch.where(self.eligible(u), u, torch.full_like(u, float("inf")))
+            already = self.to_units(pruned.to(b.bool)).any(dim=1)
+            u = b.ns.where(already, b.ns.full_like(u, float("-inf")), u)
+        u = b.ns.where(self.eligible(u), u, b.ns.full_like(u, float("inf")))
         keep = ~select_lowest(u, int(amount))
         return self.expand(keep, scores.shape).to(scores.dtype)
 

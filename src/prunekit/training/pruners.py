@@ -32,9 +32,9 @@ import math
 import re
 from typing import Any, Dict, List, Mapping, Optional, Union
 
-import torch
 from torch import Tensor, nn
 
+from .._backend import TORCH, Backend, FrameworkMismatchError, backend_of, is_module, is_tensor
 from . import _masking as mk
 from .allocation import check_feasible, global_counts, local_counts
 from .config import PrunerConfig
@@ -96,7 +96,7 @@ def select_modules(model: nn.Module, config: Union[PrunerConfig, Mapping[str, An
     for qname, module in model.named_modules():
         if not types.intersection(_class_names(module)):
             continue
-        if not (mk.is_reparametrized(module, name) or isinstance(getattr(module, name, None), torch.Tensor)):
+        if not (mk.is_reparametrized(module, name) or is_tensor(getattr(module, name, None))):
             continue
         if inc and not any(p.search(qname) for p in inc):
             continue
@@ -138,18 +138,19 @@ class Pruner:
 
     def __init__(self, modules: Union[Mapping[str, nn.Module], nn.Module], config: Union[PrunerConfig, Mapping[str, Any]]) -> None:
         self.config: PrunerConfig = _as_config(config)
-        if isinstance(modules, nn.Module):
+        if is_module(modules):
             modules = select_modules(modules, self.config, self.weight_name)
         if not isinstance(modules, Mapping):
             raise TypeError(f"modules={modules!r}: pass a dict {{name: module}} or a model (nn.Module)")
+        self._b: Backend = _modules_backend(modules, type(self).__name__)
         self.pattern: Pattern = get_pattern(self.fixed_pattern or self.config.pattern)
         self.skipped: Dict[str, str] = {}
         fitting: Dict[str, nn.Module] = {}
         for name, module in modules.items():
-            if not isinstance(module, nn.Module):
-                raise TypeError(f"modules[{name!r}]={module!r} is not an nn.Module")
+            if not is_module(module):
+                raise TypeError(f"modules[{name!r}]={module!r} is not an nn.Module (torch.nn or tensorplay.nn)")
             w = mk.raw_weight(module, self.weight_name) if hasattr(module, self.weight_name) or mk.is_reparametrized(module, self.weight_name) else None
-            if not isinstance(w, torch.Tensor):
+            if not is_tensor(w):
                 raise ValueError(f"module {name!r} ({type(module).__name__}) has no tensor {self.weight_name!r} to prune")
             reason = self.pattern.check(tuple(w.shape))
             if reason is not None:
@@ -167,7 +168,7 @@ class Pruner:
         self.global_step = 0
         self.local_step = 0
         self.epoch = 0
-        self.optimizers: List[torch.optim.Optimizer] = []
+        self.optimizers: List[Any] = []
         self.criterion: Criterion = self.make_criterion()
         self._scored_step = -1
         # check that the target is reachable before touching any module
@@ -248,7 +249,7 @@ class Pruner:
             zeros += int((mask == 0).sum())
         return zeros / total if total else 0.0
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def attach_optimizer(self, optimizer: Any) -> None:
         """Clear this optimizer's state at pruned entries whenever a mask changes."""
         if optimizer not in self.optimizers:
             self.optimizers.append(optimizer)
@@ -314,17 +315,18 @@ class Pruner:
 
     def mask_weights(self) -> None:
         """Set ``weight_orig`` to zero wherever the mask is zero (in place, no grad)."""
-        with torch.no_grad():
+        b = self._b
+        with b.no_grad():
             for n, m in self.modules.items():
                 orig = mk.get_orig(m, self.weight_name)
                 mask = self.masks[n]
-                orig.mul_(mask if mask.dtype == orig.dtype else mask.to(orig.dtype))
+                b.mul_(orig, mask if mask.dtype == orig.dtype else mask.to(orig.dtype))
 
     def update_scores(self) -> None:
         """Feed the criterion this step's weights and gradients (gradient criteria)."""
         if not self.criterion.needs_grad:
             return
-        with torch.no_grad():
+        with self._b.no_grad():
             for n, m in self.modules.items():
                 orig = mk.get_orig(m, self.weight_name)
                 self.criterion.update(n, mk.effective_weight(m, self.weight_name), orig.grad)
@@ -346,15 +348,16 @@ class Pruner:
         names = list(self.modules)
         shapes, unit_scores, numel, un, lo, hi = [], [], [], [], [], []
         scale = sparsity / self.target_sparsity_ratio if self.target_sparsity_ratio > 0 else 0.0
-        with torch.no_grad():
+        b = self._b
+        with b.no_grad():
             for n in names:
                 m = self.modules[n]
                 mask = self.masks[n]
                 shape = tuple(mask.shape)
                 u = self.pattern.unit_scores(self.layer_scores(n, m).to(mask.device))
                 already = self.pattern.unit_pruned(mask)
-                u = torch.where(already, torch.full_like(u, -_INF), u)
-                u = torch.where(self.pattern.eligible(u), u, torch.full_like(u, _INF))
+                u = b.ns.where(already, b.ns.full_like(u, -_INF), u)
+                u = b.ns.where(self.pattern.eligible(u), u, b.ns.full_like(u, _INF))
                 l, h = self._unit_bounds(n, shape, int(already.sum()), min(scale, 1.0))
                 shapes.append(shape)
                 unit_scores.append(u)
@@ -380,13 +383,14 @@ class Pruner:
         module = self.modules[name]
         mask = self.masks[name]
         orig = mk.get_orig(module, self.weight_name)
-        if torch.equal(keep.to(torch.bool), mask != 0):
+        b = self._b
+        if b.ns.equal(keep.to(b.bool), mask != 0):
             return
         keep_f = keep.to(orig.dtype)
         mask.copy_(keep.to(mask.dtype))
-        orig.mul_(keep_f)
+        b.mul_(orig, keep_f)
         if orig.grad is not None:
-            orig.grad.mul_(keep_f.to(orig.grad.dtype))
+            b.mul_(orig.grad, keep_f.to(orig.grad.dtype))
         mk.clear_optimizer_state(self.optimizers, orig, keep_f)
 
     # ------------------------------------------------------------------ checkpointing
@@ -426,7 +430,7 @@ class Pruner:
         self.criterion.scores.clear()
         for n, s in state.get("scores", {}).items():
             self.criterion.scores[n] = s.detach().clone()
-        with torch.no_grad():
+        with self._b.no_grad():
             for n, m in state["masks"].items():
                 self.masks[n].copy_(m.to(self.masks[n].dtype))
         self.mask_weights()
@@ -492,6 +496,25 @@ class PatternLockPruner(Pruner):
         super().__init__(modules, config)
         self.target_sparsity_ratio = self.initial_sparsity
         self.current_sparsity_ratio = self.initial_sparsity
+
+
+def _modules_backend(modules: Mapping[str, Any], where: str) -> Backend:
+    """The one framework of ``modules`` (torch when empty); mixing frameworks is an error."""
+    found: Dict[str, str] = {}
+    b0: Optional[Backend] = None
+    for name, module in modules.items():
+        b = backend_of(module) if is_module(module) else None
+        if b is None:
+            continue  # reported as "not an nn.Module" by the caller
+        if b0 is None:
+            b0 = b
+        found.setdefault(b.name, name)
+        if b is not b0:
+            raise FrameworkMismatchError(
+                f"{where}: modules {found[b0.name]!r} ({b0.name}) and {name!r} ({b.name}) are of different "
+                f"frameworks; one pruner prunes modules of one framework -- build one pruner per framework"
+            )
+    return b0 or TORCH
 
 
 def get_pruner(modules: Union[Mapping[str, nn.Module], nn.Module], config: Union[PrunerConfig, Mapping[str, Any]]) -> Pruner:

@@ -21,9 +21,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List, Mapping, Optional
 
-import torch
 from torch import nn
 
+from .._backend import TORCH, FrameworkMismatchError, backend_of, is_module, optimizer_backend
 from .config import PruningConfig, load_config
 from .pruners import Pruner, get_pruner, select_modules
 from .report import SparsityReport, sparsity_report
@@ -46,7 +46,7 @@ class PruningCallbacks:
         self.config = config
         self._handles: List[Any] = []
         self._local_step = 0
-        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.optimizer: Optional[Any] = None
 
     # ---------------------------------------------------------------- callbacks
     def on_train_begin(self, dataloader: Any = None) -> None:
@@ -112,15 +112,18 @@ class PruningCallbacks:
     def wired(self) -> bool:
         return bool(self._handles)
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Clear ``optimizer``'s state at pruned entries when masks change (no hooks)."""
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer={optimizer!r} is not a torch.optim.Optimizer")
+    def attach_optimizer(self, optimizer: Any) -> None:
+        """Clear ``optimizer``'s state at pruned entries when masks change (no hooks).
+
+        ``optimizer`` is a ``torch.optim.Optimizer`` for a PyTorch model, a
+        ``tensorplay.optim.Optimizer`` for a TensorPlay model.
+        """
+        _check_optimizer(self.model, optimizer)
         self.optimizer = optimizer
         for p in self.pruners:
             p.attach_optimizer(optimizer)
 
-    def wire(self, optimizer: torch.optim.Optimizer) -> "PruningCallbacks":
+    def wire(self, optimizer: Any) -> "PruningCallbacks":
         """Drive the pruners from ``optimizer``'s step hooks; every ``optimizer.step()`` is one step."""
         if self.wired:
             raise ValueError("this PruningCallbacks is already wired to an optimizer; call unwire() first")
@@ -180,8 +183,24 @@ class PruningCallbacks:
         return f"PruningCallbacks({self.pruners!r}, wired={self.wired})"
 
 
+def _check_optimizer(model: Any, optimizer: Any) -> None:
+    """TypeError unless ``optimizer`` is an optimizer of ``model``'s framework."""
+    ob = optimizer_backend(optimizer)
+    mb = backend_of(model) or TORCH
+    if ob is None:
+        raise TypeError(
+            f"optimizer={optimizer!r} ({type(optimizer).__name__}) is not a {mb.name}.optim.Optimizer; "
+            f"pass the {mb.name}.optim optimizer that trains the model"
+        )
+    if ob is not mb:
+        raise FrameworkMismatchError(
+            f"optimizer {type(optimizer).__name__} is a {ob.name} optimizer but the model is a {mb.name} "
+            f"{type(model).__name__}; pass a {mb.name}.optim optimizer over the model's parameters"
+        )
+
+
 def prepare_pruning(model: nn.Module, config: Any = None,
-                    optimizer: Optional[torch.optim.Optimizer] = None) -> PruningCallbacks:
+                    optimizer: Optional[Any] = None) -> PruningCallbacks:
     """Attach masks to the layers ``config`` selects and return the callbacks.
 
     ``config`` is anything :func:`~prunekit.training.load_config` reads (a
@@ -204,8 +223,10 @@ def prepare_pruning(model: nn.Module, config: Any = None,
         >>> round(pruning.report().elementwise_over_layers, 4)
         0.75
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model={model!r} is not an nn.Module")
+    if not is_module(model):
+        raise TypeError(f"model={model!r} is not an nn.Module (torch.nn or tensorplay.nn)")
+    if optimizer is not None:
+        _check_optimizer(model, optimizer)
     cfg = load_config(config)
     selections = []
     owner: Dict[str, int] = {}
@@ -244,10 +265,11 @@ def _undo(model: nn.Module, before: Mapping[str, bool]) -> None:
     from . import _masking as mk
 
     from prunekit import remove
+    b = backend_of(model) or TORCH
     for n, m in model.named_modules():
         if not before.get(n, False) and mk.is_reparametrized(m):
-            with torch.no_grad():
+            with b.no_grad():
                 orig = mk.get_orig(m).detach().clone()
             remove(m, "weight")
-            with torch.no_grad():
+            with b.no_grad():
                 m.weight.copy_(orig)
