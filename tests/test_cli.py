@@ -318,6 +318,7 @@ def test_demo_quick_json(quick_demo):
     assert code == 0
     d = json.loads(stdout)
     assert d == json.loads((out / "results.json").read_text())
+    assert d["errors"] == []
     keys = [r["key"] for r in d["results"]]
     assert keys == ["oneshot_magnitude_50", "oneshot_magnitude_90", "gradual_magnitude_50", "gradual_magnitude_90",
                     "gradual_snip_momentum_50", "gradual_snip_momentum_90", "nm_2_4", "channels_50_compacted"]

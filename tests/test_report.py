@@ -214,3 +214,12 @@ def test_report_agrees_with_training_patterns():
     r = model_report(m)
     assert [e.fits_2_4 for e in r.layers] == [1.0, 1.0]
     assert r.sparsity_layers == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("name", ["prunekit.report", "prunekit.demo"])
+def test_docstring_examples_run(name):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0

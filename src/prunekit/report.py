@@ -416,23 +416,32 @@ def plot_accuracy_vs_sparsity(
             if key not in r:
                 raise ValueError(f"plot_accuracy_vs_sparsity: result {dict(r)!r} has no {key!r}")
         by_method.setdefault(str(r["method"]), []).append((float(r["sparsity"]), float(r["accuracy"])))
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    all_acc = [a for pts in by_method.values() for _, a in pts]
+    # a second, zoomed panel when some points (e.g. one-shot without fine-tuning) squash the interesting top
+    zoom = dense_accuracy is not None and bool(all_acc) and min(all_acc) < dense_accuracy - 0.05
+    fig, axes = plt.subplots(1, 2 if zoom else 1, figsize=(12.5 if zoom else 7.5, 4.8), squeeze=False)
     markers = "osD^vP*X"
-    for i, (method, pts) in enumerate(by_method.items()):
-        pts.sort()
-        xs = [100 * s for s, _ in pts]
-        ys = [100 * a for _, a in pts]
-        ax.plot(xs, ys, marker=markers[i % len(markers)], linestyle="-" if len(pts) > 1 else "none",
-                label=method, markersize=7)
-    if dense_accuracy is not None:
-        ax.axhline(100 * dense_accuracy, color="black", linestyle="--", linewidth=1,
-                   label=f"dense ({100 * dense_accuracy:.1f}%)")
-        ax.axhline(100 * dense_accuracy - 1, color="grey", linestyle=":", linewidth=1, label="dense - 1 point")
-    ax.set_xlabel("sparsity of the pruned weights (%)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title(title or "accuracy against sparsity")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="lower left")
+    for ai, ax in enumerate(axes[0]):
+        for i, (method, pts) in enumerate(by_method.items()):
+            pts.sort()
+            xs = [100 * s for s, _ in pts]
+            ys = [100 * a for _, a in pts]
+            ax.plot(xs, ys, marker=markers[i % len(markers)], linestyle="-" if len(pts) > 1 else "none",
+                    label=method, markersize=7, alpha=0.85)
+        if dense_accuracy is not None:
+            ax.axhline(100 * dense_accuracy, color="black", linestyle="--", linewidth=1,
+                       label=f"dense ({100 * dense_accuracy:.1f}%)")
+            ax.axhline(100 * dense_accuracy - 1, color="grey", linestyle=":", linewidth=1, label="dense - 1 point")
+        ax.set_xlabel("sparsity of the pruned weights (%)")
+        ax.set_ylabel("test accuracy (%)")
+        ax.grid(True, alpha=0.3)
+        if ai == 0:
+            ax.set_title(title or "accuracy against sparsity")
+            ax.legend(fontsize=8, loc="lower left")
+        else:
+            top = 100 * dense_accuracy
+            ax.set_ylim(top - 4, min(100.5, top + 1.5))
+            ax.set_title("zoom: within 4 points of dense")
     fig.tight_layout()
     path = os.fspath(path)
     fig.savefig(path, dpi=120)

@@ -103,19 +103,22 @@ COLUMNS = ["method", "target", "sparsity", "accuracy", "Δ pts", "params", "non-
 def print_result(result: Dict[str, Any]) -> None:
     s = result["settings"]
     print_table(
-        f"prunekit demo: digits CNN, {'quick' if s['dense_epochs'] < 16 else 'full'} run, "
+        f"prunekit demo: digits CNN, {s.get('name', 'full')} run, "
         f"{result['threads']} thread(s), latency = median of {s['latency_repeats']} batches of {s['latency_batch']}",
         COLUMNS, table_rows(result), justify=["left"] + ["right"] * (len(COLUMNS) - 1))
     for r in result["results"]:
         if r.get("note"):
             say(f"  {r['key']}: {r['note']}")
+    say("  (unstructured and 2:4 sparsity run on dense kernels here, so their latency matches dense; "
+        "see 'prunekit sparsify')")
     say("targets:")
     for c in result["checks"]:
         mark = "PASS" if c["passed"] else "FAIL"
         say(f"  [{mark}] {c['name']}: {c['detail']}")
     f = result["files"]
-    say(f"wrote {f['json']}, {f['accuracy_plot']}, {f['layers_plot']} and checkpoints in {f['checkpoints']}/ "
-        f"({result['elapsed_s']:.0f} s)")
+    folder = os.path.dirname(f["json"]) or "."
+    say(f"wrote results.json, accuracy_vs_sparsity.png, layer_sparsity.png and checkpoints/ to {folder}/ "
+        f"in {result['elapsed_s']:.0f} s")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -138,4 +141,8 @@ def run(args: argparse.Namespace) -> int:
         emit_json(result)
     else:
         print_result(result)
+    if result.get("errors"):
+        for e in result["errors"]:
+            print(f"prunekit: error: demo stage {e['stage']} failed: {e['error'].splitlines()[0]}", file=sys.stderr)
+        return 1
     return 0
