@@ -3,33 +3,39 @@
 ``torch.nn.utils.prune`` finds the entries to prune with ``torch.topk`` over
 the whole tensor (and, for global pruning, over the concatenation of all
 tensors): O(n log k) time and several full-size copies (values plus int64
-indices). Here the k-th smallest magnitude is found by a radix step on the
-IEEE-754 bit patterns instead:
+indices). Here the k-th smallest magnitude is found with one radix step on
+the IEEE-754 bit patterns instead:
 
-1. every score becomes an integer key, ``bits(x) & 0x7fff...`` — for IEEE
-   floats the bit pattern of ``|x|`` orders exactly like ``|x|`` itself;
-2. one histogram over the top 15 bits of all keys finds the bucket that holds
-   the k-th smallest key;
-3. only that bucket's entries (a tiny fraction) are gathered and ranked
+1. the top 16 bits of every float, sign cleared, order like ``|x|`` (sign,
+   exponent and the leading mantissa bits): a zero-copy ``int16`` view of the
+   tensor gives them, one ``bitwise_and`` makes them a bucket number;
+2. one histogram over those buckets (all tensors together) finds the bucket
+   that holds the k-th smallest magnitude; everything below it is pruned,
+   everything above it kept;
+3. only that bucket's entries — a tiny fraction — are gathered and ranked
    exactly with ``kthvalue``.
 
 Ties at the threshold are broken by position (flat order, tensor after
 tensor), so exactly ``k`` entries are selected whatever the data. Entries that
-are not eligible (already pruned) are given a key above every real key, so
-they are never selected. NaN has no magnitude order: scores with NaN are
+are not eligible (already pruned) go to a bucket above every real magnitude,
+so they are never selected. NaN has no magnitude order: scores with NaN are
 rejected with a ``ValueError``; ``inf`` ranks as the largest magnitude.
+Scores of other real dtypes (integers) are ranked as float64.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, List, Optional, Sequence
 
-import torch
 from torch import Tensor
 
 from .._backend import TORCH, Backend, backend_of
 
-__all__ = ["NaNScoresError", "keep_mask_smallest", "keep_mask_smallest_multi", "magnitude_keys"]
+__all__ = ["NaNScoresError", "keep_mask_smallest", "keep_mask_smallest_multi"]
+
+_BUCKETS = 1 << 15
+_SENTINEL = _BUCKETS - 1  # above every finite or infinite magnitude: ineligible entries go here
 
 
 class NaNScoresError(ValueError):
@@ -39,56 +45,44 @@ class NaNScoresError(ValueError):
         super().__init__(message)
         self.index = index
 
-_HIST_BITS = 15
-_SMALL = 1 << 16  # below this many entries a plain kthvalue is cheaper than a histogram
+
+def _float_dtypes(b: Backend) -> dict:
+    # dtype -> top-16-bit pattern of +inf: buckets above it hold only NaN
+    return {b.float32: 0x7F80, b.float64: 0x7FF0, b.float16: 0x7C00, b.bfloat16: 0x7F80}
 
 
-def _key_space(dtypes: Sequence[Any], b: Backend = TORCH) -> Any:
-    """float32 keys when every score fits float32 exactly, else float64 keys."""
-    xp = b.ns
-    narrow = (xp.float32, xp.float16, xp.bfloat16)
-    return xp.float32 if all(d in narrow for d in dtypes) else xp.float64
+def _common_dtype(scores: Sequence[Tensor], b: Backend) -> Any:
+    dtypes = {s.dtype for s in scores}
+    for d in dtypes:
+        if d.is_complex or d == b.bool:
+            raise TypeError(
+                f"magnitude ranking needs real numbers, got a tensor of dtype {b.dtype_label(d)}; "
+                "pass real-valued importance_scores (e.g. scores.abs() for complex values)"
+            )
+    floats = _float_dtypes(b)
+    if len(dtypes) == 1 and next(iter(dtypes)) in floats:
+        return next(iter(dtypes))
+    narrow = (b.float32, b.float16, b.bfloat16)
+    return b.float32 if all(d in narrow for d in dtypes) else b.float64
 
 
-def magnitude_keys(scores: Tensor, space: Any = None) -> Tensor:
-    """Contiguous integer keys that order exactly like ``|scores|``.
-
-    Example:
-        >>> import torch
-        >>> k = magnitude_keys(torch.tensor([-3.0, 0.5, 2.0]))
-        >>> k.argsort().tolist()
-        [1, 2, 0]
-    """
-    b = backend_of(scores) or TORCH
-    if space is None:
-        space = b.float32
-    if scores.dtype.is_complex or scores.dtype == b.bool:
-        raise TypeError(
-            f"magnitude ranking needs real numbers, got a tensor of dtype {b.dtype_label(scores.dtype)}; "
-            "pass real-valued importance_scores (e.g. scores.abs() for complex values)"
-        )
-    x = scores.detach()
-    if x.dtype != space:
-        x = x.to(space)
-    x = x.contiguous()
-    if space == b.float32:
-        return x.view(b.int32).bitwise_and(0x7FFFFFFF)
-    return x.view(b.int64).bitwise_and(0x7FFFFFFFFFFFFFFF)
+def _flat(score: Tensor, dtype: Any) -> Tensor:
+    x = score.detach()
+    if x.dtype != dtype:
+        x = x.to(dtype)
+    return x.contiguous().reshape(-1)
 
 
-def _finite_check(keys: Tensor, index: int, b: Backend) -> None:
-    inf_key = 0x7F800000 if keys.dtype == b.int32 else 0x7FF0000000000000
-    if keys.numel() and int(keys.max()) > inf_key:
-        raise NaNScoresError(
-            f"scores contain {int((keys > inf_key).sum())} NaN value(s); NaN has no magnitude order, "
-            "so no exact count can be pruned. Replace them first (e.g. torch.nan_to_num) or pass "
-            "importance_scores without NaN",
-            index,
-        )
-
-
-def _shift(keys: Tensor, b: Backend) -> int:
-    return (31 if keys.dtype == b.int32 else 63) - _HIST_BITS
+def _buckets(flat: Tensor, eligible: Optional[Tensor], b: Backend) -> Tensor:
+    """int16 bucket of each entry: the top 16 IEEE bits of |x| (sentinel where not eligible)."""
+    words = flat.view(b.int16)
+    per = flat.element_size() // 2
+    if per > 1:  # the int16 word that holds the sign and exponent
+        words = words[per - 1::per] if sys.byteorder == "little" else words[0::per]
+    h = words.bitwise_and(0x7FFF)
+    if eligible is not None:
+        h.masked_fill_(~eligible.reshape(-1).to(b.bool), _SENTINEL)
+    return h
 
 
 def keep_mask_smallest_multi(
@@ -110,75 +104,69 @@ def keep_mask_smallest_multi(
         >>> [m.tolist() for m in keep_mask_smallest_multi([a, b], k=3)]
         [[False, True], [[True, False], [False, True]]]
     """
-    n_total = sum(s.numel() for s in scores)
-    if not 0 <= k <= n_total:
-        raise ValueError(f"cannot select k={k} entries out of {n_total}")
     b = (backend_of(scores[0]) if scores else None) or TORCH
-    space = _key_space([s.dtype for s in scores], b)
-    eligible = list(eligible) if eligible is not None else [None] * len(scores)
-
-    def keys_of(i: int, check: bool = False) -> Tensor:
-        key = magnitude_keys(scores[i], space).reshape(-1)
-        if check:
-            _finite_check(key, i, b)
-        e = eligible[i]
-        if e is not None:
-            key.masked_fill_(~e.reshape(-1).to(b.bool), b.ns.iinfo(key.dtype).max)
-        return key
-
-    # With one tensor the keys are kept between passes; with many they are
-    # recomputed per tensor so that the workspace stays one tensor's worth.
-    cached: Optional[List[Tensor]] = [] if len(scores) == 1 else None
-    for i in range(len(scores)):
-        key = keys_of(i, check=True)
-        if cached is not None:
-            cached.append(key)
-        del key
-
-    def key_iter():
-        for i in range(len(scores)):
-            yield cached[i] if cached is not None else keys_of(i)
-
-    if k == 0:
-        return [b.ns.ones(tuple(s.shape), dtype=b.bool, device=s.device) for s in scores]
-
-    threshold, n_tied_to_prune = _kth_key(key_iter, k, n_total, b)
-
-    keep: List[Tensor] = []
-    tie_budget = n_tied_to_prune
-    for s, key in zip(scores, key_iter()):
-        m = key > threshold
-        if tie_budget is not None:
-            ties = (key == threshold).nonzero().view(-1)
-            # the first `tie_budget` tied entries (flat order) are pruned, the rest kept
-            m[ties[tie_budget:]] = True
-            tie_budget = max(0, tie_budget - ties.numel())
-        keep.append(m.view(s.shape))
-    return keep
-
-
-def _kth_key(key_iter, k: int, n_total: int, b: Backend):
-    """The k-th smallest key (1-based) and, if ties straddle it, how many tied keys to prune."""
     xp = b.ns
-    if n_total <= _SMALL:
-        allk = xp.cat(list(key_iter()))
-        threshold = b.kthvalue(allk, k)[0]
-        n_lt = int((allk < threshold).sum())
-        n_eq = int((allk == threshold).sum())
-    else:
-        hist = None
-        for key in key_iter():
-            h = xp.bincount(key >> _shift(key, b), minlength=1 << (_HIST_BITS + 1))
-            hist = h if hist is None else hist + h
-        cum = hist.cumsum(0)
-        bucket = int(xp.searchsorted(cum, xp.tensor(k, dtype=cum.dtype)))
-        below = int(cum[bucket - 1]) if bucket > 0 else 0
-        cands = xp.cat([key[(key >> _shift(key, b)) == bucket] for key in key_iter()])
-        threshold = b.kthvalue(cands, k - below)[0]
-        n_lt = below + int((cands < threshold).sum())
-        n_eq = int((cands == threshold).sum())
-    need = k - n_lt  # how many keys equal to the threshold must be pruned (1..n_eq)
-    return threshold, (None if need == n_eq else need)
+    eligible = list(eligible) if eligible is not None else [None] * len(scores)
+    n_ineligible = [0 if e is None else s.numel() - int((e != 0).sum()) for s, e in zip(scores, eligible)]
+    n_eligible = sum(s.numel() for s in scores) - sum(n_ineligible)
+    if not 0 <= k <= n_eligible:
+        raise ValueError(f"cannot select k={k} entries out of {n_eligible}")
+    if k == 0:
+        return [xp.ones(tuple(s.shape), dtype=b.bool, device=s.device) for s in scores]
+    dtype = _common_dtype(scores, b)
+    inf_bucket = _float_dtypes(b)[dtype]
+
+    # Pass 1: histogram of buckets. With one tensor its buckets are kept for
+    # pass 2; with many they are recomputed, so the workspace stays one tensor's worth.
+    cached: Optional[List[Tensor]] = [] if len(scores) == 1 else None
+    hist = None
+    for i, s in enumerate(scores):
+        flat = _flat(s, dtype)
+        h = _buckets(flat, eligible[i], b)
+        counts = xp.bincount(h, minlength=_BUCKETS)
+        _check_nan(counts, flat, h, inf_bucket, n_ineligible[i], i, b)
+        hist = counts if hist is None else hist + counts
+        if cached is not None:
+            cached.append(h)
+    cum = hist.cumsum(0)
+    bucket = int(xp.searchsorted(cum, xp.tensor(k, dtype=cum.dtype)))
+    below = int(cum[bucket - 1]) if bucket > 0 else 0
+
+    # Pass 2: entries above the bucket are kept, below it pruned; the bucket's
+    # own entries are gathered (positions and magnitudes) to be ranked exactly.
+    keeps, positions, values = [], [], []
+    for i, s in enumerate(scores):
+        flat = _flat(s, dtype)
+        h = cached[i] if cached is not None else _buckets(flat, eligible[i], b)
+        keeps.append(h > bucket)
+        pos = (h == bucket).nonzero().reshape(-1)
+        positions.append(pos)
+        values.append(flat[pos].abs())
+    cand = xp.cat(values)
+    threshold = b.kthvalue(cand, k - below)[0]
+    need = k - below - int((cand < threshold).sum())  # tied entries to prune, in flat order
+    for keep, pos, val in zip(keeps, positions, values):
+        keep[pos[val > threshold]] = True
+        tied = pos[val == threshold]
+        if need < tied.numel():
+            keep[tied[max(need, 0):]] = True
+        need -= tied.numel()
+    return [keep.view(tuple(s.shape)) for keep, s in zip(keeps, scores)]
+
+
+def _check_nan(counts: Tensor, flat: Tensor, h: Tensor, inf_bucket: int, n_ineligible: int, index: int,
+               b: Backend) -> None:
+    # Buckets above +inf's hold only NaN (the sentinel bucket also holds the ineligible
+    # entries); the bucket of +inf itself can hold NaN with a small payload, so look there.
+    n_nan = int(counts[inf_bucket + 1:].sum()) - n_ineligible
+    if int(counts[inf_bucket]):
+        n_nan += int(b.ns.isnan(flat[h == inf_bucket]).sum())
+    if n_nan:
+        raise NaNScoresError(
+            f"scores contain {n_nan} NaN value(s); NaN has no magnitude order, so no exact count can be "
+            "pruned. Replace them first (e.g. torch.nan_to_num) or pass importance_scores without NaN",
+            index,
+        )
 
 
 def keep_mask_smallest(scores: Tensor, k: int, eligible: Optional[Tensor] = None) -> Tensor:
