@@ -586,7 +586,7 @@ def run_all(args: argparse.Namespace) -> dict:
     t_start = time.perf_counter()
     result: dict[str, Any] = {
         "meta": {"python": sys.version.split()[0], "torch": torch.__version__,
-                 "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                 "threads": args.threads or torch.get_num_threads(), "cpus": os.cpu_count(),
                  "machine": platform.machine(), "candidate": libs[0], "reference": libs[1],
                  "quick": args.quick,
                  "malloc_env": {} if args.glibc_default else FIXED_MMAP},
@@ -609,10 +609,14 @@ def run_all(args: argparse.Namespace) -> dict:
                 if args.quick:
                     argv.append("--quick")
                 t0 = time.perf_counter()
-                res = run_child(argv, env=None if args.glibc_default else case.env)
+                env = {} if args.glibc_default else dict(case.env)
+                if args.threads:
+                    env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+                res = run_child(argv, env=env)
                 print(f"[{name}] run {r + 1}/{runs} {label}: "
                       f"{'ERROR' if 'error' in res else 'ok'} ({time.perf_counter() - t0:.1f} s)",
                       file=sys.stderr, flush=True)
+                res["loadavg_1min"] = os.getloadavg()[0]
                 per[label].append(res)
         s = Summary(name, case, cand_label, ref_label, per)
         summaries.append(s)
@@ -626,6 +630,9 @@ def run_all(args: argparse.Namespace) -> dict:
         result["checks"] += [{"what": w, "value": v, "target": t, "pass": p}
                              for w, v, t, p in checks]
     result["meta"]["wall_s"] = time.perf_counter() - t_start
+    loads = [r["loadavg_1min"] for c in result["cases"].values()
+             for rs in c["runs"].values() for r in rs]
+    result["meta"]["loadavg_1min_max"] = max(loads) if loads else None
     result["_summaries"] = summaries
     return result
 
@@ -661,7 +668,12 @@ def render(result: dict) -> str:
     out.append(table(["check", "value", "target", "result"],
                      [[c["what"], c["value"], c["target"], "PASS" if c["pass"] else "MISS"]
                       for c in result["checks"]]))
-    out.append(f"\ntotal wall time {m['wall_s']:.0f} s")
+    out.append(f"\ntotal wall time {m['wall_s']:.0f} s; highest 1-min load average seen "
+               f"{fmt(m['loadavg_1min_max'])} on {m['cpus']} CPUs")
+    if m["loadavg_1min_max"] and m["loadavg_1min_max"] > (m["cpus"] or 1) + 0.5:
+        out.append("WARNING: other work was running on this machine; timings are noisy "
+                   "(the alternating order shares the noise between the libraries, but "
+                   "rerun on a quiet machine before quoting figures)")
     return "\n".join(out)
 
 
@@ -677,6 +689,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=5, help="fresh processes per case and library")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 runs, fewer iterations")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--threads", type=int, default=0,
+                   help="intra-op threads in the children (OMP_NUM_THREADS); default: torch's. "
+                        "On a machine busy with other work, 1 avoids OpenMP barrier stalls that "
+                        "hit code issuing many short ops far harder than code issuing a few long ones")
     p.add_argument("--glibc-default", action="store_true",
                    help="do not fix MALLOC_MMAP_THRESHOLD_ for the memory cases")
     p.add_argument("--out", default="", help="also write the JSON result to this file")
@@ -696,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx = Ctx(args.lib, args.option, args.quick, args.profile, args.torch_profile)
         res = CASES[args.case].child(prune, ctx)
         res["lib"] = args.lib
+        res["threads"] = torch.get_num_threads()
         print(json.dumps(res) if args.json else
               "\n".join(f"{k}: {fmt(v)}" for k, v in res.items()))
         return 0
@@ -715,4 +732,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # e.g. `... | head`
+        sys.exit(0)
