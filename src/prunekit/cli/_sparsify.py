@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Any, Dict
+import copy
+from typing import Any, Dict, List
 
 from ._common import (
     CliError,
@@ -51,18 +52,21 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _median_ms(model: Any, x: Any, repeats: int = 15) -> float:
+def _median_ms(models: List[Any], x: Any, repeats: int = 30) -> List[float]:
+    """Median milliseconds per forward of each model, timed in one interleaved loop."""
     import torch
 
+    times: List[List[float]] = [[] for _ in models]
     with torch.no_grad():
-        model(x)
-        ts = []
+        for m in models:
+            for _ in range(3):
+                m(x)
         for _ in range(repeats):
-            t0 = time.perf_counter()
-            model(x)
-            ts.append((time.perf_counter() - t0) * 1e3)
-    ts.sort()
-    return ts[len(ts) // 2]
+            for i, m in enumerate(models):
+                t0 = time.perf_counter()
+                m(x)
+                times[i].append((time.perf_counter() - t0) * 1e3)
+    return [sorted(ts)[len(ts) // 2] for ts in times]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,10 +89,13 @@ def run(args: argparse.Namespace) -> int:
             expected = model(x)
     except Exception as e:
         raise CliError(f"the model does not run on an input of shape {list(args.input_shape)}: {first_line(e)}") from None
-    dense_ms = _median_ms(model, x)
+    dense = copy.deepcopy(model)
     rep = sparsify_for_inference(model, example_inputs=x, format=args.format, min_sparsity=args.min_sparsity,
                                  min_speedup=args.min_speedup, measure=not args.no_measure)
-    sparse_ms = _median_ms(model, x)
+    if rep.converted:
+        dense_ms, sparse_ms = _median_ms([dense, model], x)
+    else:  # nothing changed: one model, one timing
+        dense_ms = sparse_ms = _median_ms([model], x)[0]
     with torch.no_grad():
         diff = float((model(x) - expected).abs().max())
     layers = [{
@@ -118,6 +125,11 @@ def run(args: argparse.Namespace) -> int:
                 justify=["left", "left", "right", "right", "left", "right", "left"])
     if rep.device_note:
         say(rep.device_note)
-    say(f"{len(rep.converted)} of {len(rep.layers)} layers converted; model {dense_ms:.3f} ms -> {sparse_ms:.3f} ms "
-        f"per batch of {args.input_shape[0]} ({dense_ms / sparse_ms:.2f}x); max |sparse - dense| = {diff:.2e}")
+    if rep.converted:
+        say(f"{len(rep.converted)} of {len(rep.layers)} layers converted; model {dense_ms:.3f} ms -> {sparse_ms:.3f} "
+            f"ms per batch of {args.input_shape[0]} ({dense_ms / sparse_ms:.2f}x, medians measured side by side); "
+            f"max |sparse - dense| = {diff:.2e}")
+    else:
+        say(f"0 of {len(rep.layers)} layers converted: the model stays dense ({dense_ms:.3f} ms per batch of "
+            f"{args.input_shape[0]})")
     return 0
