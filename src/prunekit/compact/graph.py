@@ -44,6 +44,7 @@ names the operation and the module, e.g. ``"op 'einsum' in module
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -214,19 +215,14 @@ class _UnionFind:
 
     def union_pairs(self, pairs: Tensor) -> None:
         """Union every row (a, b) of an (N, 2) int64 tensor where both are >= 0."""
-        if pairs.numel() == 0:
-            return
-        pairs = pairs.reshape(-1, 2)
-        pairs = pairs[(pairs >= 0).all(dim=1) & (pairs[:, 0] != pairs[:, 1])]
         if pairs.numel():
-            self._edges.append(pairs.to(torch.long))
+            self._edges.append(pairs.reshape(-1, 2))  # rows with a negative id are dropped in solve()
             self.roots = None
 
     def block(self, ids: Tensor, reason: str) -> None:
-        ids = ids.reshape(-1).to(torch.long)
-        ids = ids[ids >= 0]
+        """Record a reason for the components of ``ids`` (negative ids are ignored)."""
         if ids.numel():
-            self._blocks.append((ids, reason))
+            self._blocks.append((ids.reshape(-1), reason))
             self.roots = None
 
     def solve(self) -> Tensor:
@@ -235,7 +231,8 @@ class _UnionFind:
             return self.roots
         parent = torch.arange(self.n, dtype=torch.long)
         if self._edges:
-            edges = torch.cat(self._edges)
+            edges = torch.cat(self._edges).to(torch.long)
+            edges = edges[(edges >= 0).all(dim=1) & (edges[:, 0] != edges[:, 1])]
             self._edges = [edges]
             a, b = edges[:, 0], edges[:, 1]
             while True:
@@ -254,10 +251,12 @@ class _UnionFind:
                     parent = nxt
         self.blocked = {}
         if self._blocks:
-            ids = torch.cat([i for i, _ in self._blocks])
+            ids = torch.cat([i for i, _ in self._blocks]).to(torch.long)
             order = torch.repeat_interleave(
                 torch.arange(len(self._blocks)), torch.tensor([int(i.numel()) for i, _ in self._blocks])
             )
+            keep = ids >= 0
+            ids, order = ids[keep], order[keep]
             first = torch.full((self.n,), len(self._blocks), dtype=torch.long)
             first.scatter_reduce_(0, parent[ids], order, reduce="amin")
             hit = (first < len(self._blocks)).nonzero().view(-1)
@@ -341,7 +340,10 @@ class Tracer:
         self.shadows: Dict[int, Tuple[Tensor, Tensor]] = {}
         self.slots: Dict[Tuple[str, str], SlotInfo] = {}
         self.handlers: Dict[str, Any] = {}
-        self.names: Dict[int, str] = {id(m): n for n, m in model.named_modules()}
+        self.named: List[Tuple[str, nn.Module]] = list(model.named_modules())
+        self.names: Dict[int, str] = {id(m): n for n, m in self.named}
+        self.by_name: Dict[str, nn.Module] = dict(self.named)
+        self._slot_ids: Dict[Tuple[str, str], Tensor] = {}
         self.stack: List[str] = []
         self.leaf_depth = 0
         self.last_op = ""
@@ -358,13 +360,16 @@ class Tracer:
         info = self.slots.get(key)
         if info is None:
             handler = self.handlers[module_name]
-            spec = handler.slots(self.model.get_submodule(module_name))[slot_name]
+            spec = handler.slots(self.by_name[module_name])[slot_name]
             info = SlotInfo(module_name, slot_name, self.uf.add(spec.size), spec)
             self.slots[key] = info
             if spec.tie > 1:  # heads / norm groups: consecutive blocks move together
                 ids = torch.arange(info.start, info.start + spec.size).view(-1, spec.tie)
                 self.tie(ids)
-        return torch.arange(info.start, info.start + info.spec.size)
+        ids = self._slot_ids.get(key)
+        if ids is None:
+            ids = self._slot_ids[key] = torch.arange(info.start, info.start + info.spec.size)
+        return ids
 
     def shadow(self, t: Any) -> Optional[Tensor]:
         """The shadow of ``t`` (canonical: stride 0 exactly along its constant dims), or None."""
@@ -375,7 +380,11 @@ class Tracer:
             return None
         return entry[1]
 
-    def set_shadow(self, t: Tensor, s: Optional[Tensor], canonical: bool = False) -> None:
+    def set_shadow(self, t: Tensor, s: Optional[Tensor], canonical: bool = False, labeled: bool = False) -> None:
+        """Record ``s`` as the shadow of ``t`` (None or all -1: no channel ids).
+
+        ``canonical``: ``s`` is already canonical; ``labeled``: it has an id >= 0.
+        """
         key = id(t)
         if s is None:
             self.shadows.pop(key, None)
@@ -384,7 +393,7 @@ class Tracer:
             raise RuntimeError(f"internal: shadow shape {tuple(s.shape)} != tensor shape {tuple(t.shape)}")
         if not canonical:
             s = _canonical(s)
-        if not bool((_core(s) >= 0).any()):
+        if not labeled and not bool((_core(s) >= 0).any()):
             self.shadows.pop(key, None)
             return
         # A weak reference: activations are freed as the model runs (as without tracing);
@@ -431,9 +440,8 @@ class Tracer:
         if s.shape[0] > 1:
             s = torch.unique(s, dim=0)
         pairs = torch.stack([s, ids.view(1, -1).expand_as(s)], dim=-1).reshape(-1, 2)
-        unlabeled = pairs[pairs[:, 0] < 0, 1]
-        if unlabeled.numel():
-            self.block(unlabeled, f"input of module '{self.where}' mixes prunable and fixed channels")
+        if bool((s < 0).any()):
+            self.block(pairs[pairs[:, 0] < 0, 1], f"input of module '{self.where}' mixes prunable and fixed channels")
         self.uf.union_pairs(pairs)
 
     def emit(self, out: Any, dim: int, ids: Tensor) -> None:
@@ -444,7 +452,7 @@ class Tracer:
         shape = [1] * out.dim()
         shape[dim] = ids.numel()
         # shadows are never mutated: a zero-copy view; slot ids are distinct, so it is canonical
-        self.set_shadow(out, ids.view(shape).expand(out.shape), canonical=ids.numel() > 1)
+        self.set_shadow(out, ids.view(shape).expand(out.shape), canonical=ids.numel() > 1, labeled=bool(ids.numel()))
 
     # ---- hooks
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -530,6 +538,10 @@ class Tracer:
         if not isinstance(out, Tensor):
             return
         shape = out.shape
+        tensors = [a for a in args if isinstance(a, Tensor)] + [a for a in kwargs.values() if isinstance(a, Tensor)]
+        if len(tensors) == 1 and tensors[0].shape == shape:  # relu(x), x * 2.0, ...: same labels
+            self.set_shadow(out, self.shadow(tensors[0]), canonical=True, labeled=True)
+            return
         operands = [self._operand(a, shape) for a in list(args) + list(kwargs.values())]
         operands = [(s, sh) for s, sh in operands if s is not None]
         labeled = [(s, sh) for s, sh in operands if bool((_core(s) >= 0).any())]
@@ -736,13 +748,15 @@ class Tracer:
 
     # ---- run
     def run(self, example_inputs: Any, ignored: Sequence[str]) -> Any:
-        for name, module in self.model.named_modules():
+        for name, module in self.named:
             h = self.registry.lookup(module)
-            if h is not None and not any(name.startswith(p + ".") for p in self.handlers):
+            # a module inside a handled module is part of it (named_modules lists parents first)
+            parts = name.split(".")
+            if h is not None and not any(".".join(parts[:i]) in self.handlers for i in range(1, len(parts))):
                 self.handlers[name] = h
-        self._leaves = {id(self.model.get_submodule(n)) for n in self.handlers}
+        self._leaves = {id(self.by_name[n]) for n in self.handlers}
         hooks = []
-        for module in self.model.modules():
+        for _, module in self.named:
             hooks.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
             hooks.append(module.register_forward_hook(self._post, with_kwargs=True))
         tracer = self
@@ -762,7 +776,7 @@ class Tracer:
                     tracer.on_op(func, args, kwargs, out)
                 return out
 
-        was_training = [(m, m.training) for m in self.model.modules()]
+        was_training = [(m, m.training) for _, m in self.named]
         self.model.eval()
         args, kwargs = _split_inputs(example_inputs)
         # No autograd: nothing here needs gradients, and recording them costs about a
@@ -800,7 +814,7 @@ class Tracer:
                 if mname == name or mname.startswith(name + "."):
                     self.block(self.slot(mname, sname), f"module '{mname}' is in ignored_layers")
             if name in self.handlers:
-                for sname in self.handlers[name].slots(self.model.get_submodule(name)):
+                for sname in self.handlers[name].slots(self.by_name[name]):
                     self.block(self.slot(name, sname), f"module '{name}' is in ignored_layers")
         self.shadows.clear()
         return output
@@ -858,7 +872,7 @@ def build_dependency_graph(
         raise TypeError(f"build_dependency_graph expects an nn.Module, got {type(model).__name__}")
     registry = registry or REGISTRY
     tracer = Tracer(model, registry, exact=exact)
-    names = {id(m): n for n, m in model.named_modules()}
+    names = tracer.names
     explicit: List[str] = []
     for layer in ignored_layers or ():
         if isinstance(layer, str):
@@ -896,7 +910,10 @@ def _collect(tracer: Tracer, ignored: Tuple[str, ...]) -> DependencyGraph:
     infos = [tracer.slots[k] for k in keys]
     starts = torch.tensor([i.start for i in infos])
     sizes = torch.tensor([i.spec.size for i in infos])
-    ids = torch.cat([torch.arange(i.start, i.start + i.spec.size) for i in infos])
+    if [i.start for i in infos] == list(itertools.accumulate([0] + [i.spec.size for i in infos[:-1]])):
+        ids = torch.arange(int(sizes.sum()))  # slots own consecutive id ranges, in the order seen
+    else:
+        ids = torch.cat([torch.arange(i.start, i.start + i.spec.size) for i in infos])
     slot_no = torch.repeat_interleave(torch.arange(len(keys)), sizes)
     index = ids - torch.repeat_interleave(starts, sizes)  # position inside its slot
     r = roots[ids]
@@ -921,21 +938,54 @@ def _collect(tracer: Tracer, ignored: Tuple[str, ...]) -> DependencyGraph:
     # runs of equal root: one unit each
     unit_start = torch.ones_like(run_root, dtype=torch.bool)
     unit_start[1:] = run_root[1:] != run_root[:-1]
-    bounds = unit_start.nonzero().view(-1).tolist() + [run_root.numel()]
-    unit_roots = run_root[unit_start].tolist()
-    run_slot = slot_no[starts_at].tolist()
-    run_key_names = [keys[i] for i in run_slot]
-    blocked = uf.blocked
-    groups_by_key: Dict[Tuple[Any, ...], Group] = {}
-    for u, root in enumerate(unit_roots):
+    first_run = unit_start.nonzero().view(-1)
+    n_units = int(first_run.numel())
+    unit_of_run = torch.cumsum(unit_start, 0) - 1
+    # A unit's signature: its set of slots and its blocked reason. Units are grouped by a
+    # random 63-bit hash of the slot set, then every group is checked exactly (no reliance
+    # on the hash being collision-free).
+    run_slot_t = slot_no[starts_at]
+    weights = torch.randint(1, 2**62, (len(keys),), generator=torch.Generator().manual_seed(0))
+    h = torch.zeros(n_units, dtype=torch.long).index_add_(0, unit_of_run, weights[run_slot_t])
+    reasons = list(dict.fromkeys(uf.blocked.values()))
+    reason_of_root = torch.full((uf.n,), -1, dtype=torch.long)
+    if uf.blocked:
+        reason_no = {r: i for i, r in enumerate(reasons)}
+        reason_of_root[torch.tensor(list(uf.blocked))] = torch.tensor([reason_no[r] for r in uf.blocked.values()])
+    unit_root_t = run_root[first_run]
+    _, h_id = torch.unique(h, return_inverse=True)
+    _, sig_of_unit = torch.unique(h_id * (len(reasons) + 1) + reason_of_root[unit_root_t] + 1, return_inverse=True)
+    # exact check: same run count and the same slot sequence as the group's first unit
+    n_runs = torch.diff(torch.cat([first_run, torch.tensor([run_root.numel()])]))
+    first_of_sig = torch.full((int(sig_of_unit.max()) + 1,), n_units, dtype=torch.long)
+    first_of_sig.scatter_reduce_(0, sig_of_unit, torch.arange(n_units), reduce="amin")
+    ref = first_of_sig[sig_of_unit]  # per unit: the first unit of its group
+    exact = bool((n_runs == n_runs[ref]).all())
+    if exact:
+        pos = torch.arange(run_slot_t.numel()) - first_run[unit_of_run]
+        exact = bool((run_slot_t == run_slot_t[first_run[ref[unit_of_run]] + pos]).all())
+    if not exact:  # a hash collision: signatures as tuples instead
+        run_slot = run_slot_t.tolist()
+        sig_keys: Dict[Tuple[Any, ...], int] = {}
+        ids_list = [
+            sig_keys.setdefault((tuple(run_slot[lo:hi]), r), len(sig_keys))
+            for lo, hi, r in zip(first_run.tolist(), first_run.tolist()[1:] + [run_root.numel()], reason_of_root[unit_root_t].tolist())
+        ]
+        sig_of_unit = torch.tensor(ids_list)
+    bounds = first_run.tolist() + [int(run_root.numel())]
+    run_slot = run_slot_t.tolist()
+    unit_roots = unit_root_t.tolist()
+    groups_by_sig: Dict[int, Group] = {}
+    names_by_sig: Dict[int, Tuple[Tuple[str, str], ...]] = {}
+    for u, gid in enumerate(sig_of_unit.tolist()):
         lo, hi = bounds[u], bounds[u + 1]
-        sig = (tuple(run_slot[lo:hi]), blocked.get(root))
-        g = groups_by_key.get(sig)
+        g = groups_by_sig.get(gid)
         if g is None:
-            g = groups_by_key[sig] = Group(tuple(sorted(run_key_names[lo:hi])), [], blocked=sig[1])
+            names_by_sig[gid] = tuple(keys[i] for i in run_slot[lo:hi])
+            g = groups_by_sig[gid] = Group(tuple(sorted(names_by_sig[gid])), [], blocked=uf.blocked.get(unit_roots[u]))
         # members in slot order, as the slots were first seen
-        g.units.append(Unit(dict(zip(run_key_names[lo:hi], pieces[lo:hi]))))
-    return DependencyGraph(tracer.model, list(groups_by_key.values()), tracer.slots, tracer.handlers, ignored)
+        g.units.append(Unit(dict(zip(names_by_sig[gid], pieces[lo:hi]))))
+    return DependencyGraph(tracer.model, list(groups_by_sig.values()), tracer.slots, tracer.handlers, ignored)
 
 
 def _default_final_layers(tracer: Tracer) -> List[str]:
