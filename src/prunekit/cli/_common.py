@@ -201,6 +201,11 @@ def print_table(title: str, columns: List[str], rows: List[List[str]], footer: O
             table.add_column(c, justify=justify[i], footer=(footer[i] if footer else ""), no_wrap=True)
         for r in rows:
             table.add_row(*r)
+        need = con.measure(table, options=con.options.update_width(10_000)).maximum
+        if need > con.width:  # never crop or elide figures: let a narrow terminal wrap the lines instead
+            from rich.console import Console
+
+            con = Console(file=con.file, width=need, highlight=False, soft_wrap=False)
         con.print(table)
         return
     body = [columns] + rows + ([footer] if footer else [])
