@@ -384,3 +384,41 @@ def test_python_dash_m_exit_codes(tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.strip() == f"prunekit: error: checkpoint not found: {tmp_path / 'missing.pt'}"
     assert bad.stdout == ""
+
+
+def test_demo_failed_stage_is_reported_and_the_rest_still_runs(capsys, tmp_path, monkeypatch):
+    import prunekit.compact
+    import prunekit.demo as demo
+
+    tiny = demo.DemoSettings(dense_epochs=1, finetune_epochs=1, levels=(0.9,), latency_repeats=3, name="tiny")
+    monkeypatch.setattr(demo.DemoSettings, "quick", classmethod(lambda cls, **kw: tiny))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("compaction exploded\nsecond line")
+
+    monkeypatch.setattr(prunekit.compact, "compact", broken)
+    code, out, err = run(capsys, "demo", "--quick", "--out", tmp_path)
+    assert code == 1
+    assert err.strip().splitlines()[-1] == (
+        "prunekit: error: demo stage channels_50_compacted failed: RuntimeError: compaction exploded")
+    assert "Traceback" not in err
+    d = json.loads((tmp_path / "results.json").read_text())
+    assert [r["key"] for r in d["results"]] == ["oneshot_magnitude_90", "gradual_magnitude_90",
+                                               "gradual_snip_momentum_90", "nm_2_4"]
+    assert d["errors"] == [{"stage": "channels_50_compacted", "error": "RuntimeError: compaction exploded\nsecond line"}]
+    compacted = d["checks"][-1]
+    assert compacted["passed"] is False and "compaction exploded" in compacted["detail"]
+    assert "[FAIL] compacted model" in out
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"dense_epochs": 0}, "dense_epochs=0"),
+    ({"levels": (0.5, 1.0)}, "sparsity level 1.0"),
+    ({"channel_amount": 0.0}, "channel_amount"),
+    ({"threads": True}, "threads"),
+])
+def test_demo_settings_validation(kwargs, match):
+    from prunekit.demo import DemoSettings
+
+    with pytest.raises(ValueError, match=match):
+        DemoSettings(**kwargs)

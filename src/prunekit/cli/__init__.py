@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from ._common import FAILURE, USAGE_ERROR, CliError, Parser, first_line
 
@@ -57,17 +57,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _setup_logging(verbose: int) -> None:
+def _setup_logging(verbose: int) -> Callable[[], None]:
+    """Send prunekit's log records to stderr; returns a function that undoes it."""
     level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("prunekit")
-    for h in list(root.handlers):
-        if getattr(h, "_prunekit_cli", False):
-            root.removeHandler(h)
-    handler._prunekit_cli = True  # type: ignore[attr-defined]
-    root.addHandler(handler)
-    root.setLevel(level)
+    handler.setLevel(level)
+    logger = logging.getLogger("prunekit")
+    old_level = logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > level:
+        logger.setLevel(level)
+
+    def undo() -> None:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+
+    return undo
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -89,8 +95,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command is None:
             parser.print_help()
             return USAGE_ERROR
-        _setup_logging(args.verbose)
-        return int(args.func(args) or 0)
+        undo_logging = _setup_logging(args.verbose)
+        try:
+            return int(args.func(args) or 0)
+        finally:
+            undo_logging()
     except CliError as e:
         if debug:
             raise
