@@ -524,3 +524,71 @@ def test_pruner_attributes_surface(framework):
                "on_after_optimizer_step", "on_step_end", "on_epoch_end", "on_train_end", "on_before_eval",
                "on_after_eval", "mask_weights", "check_is_pruned_step", "update_scores"):
         assert callable(getattr(p, cb)), cb
+
+
+# ------------------------------------------------------------ torch vs TensorPlay
+def _two_layers(nn_):
+    return nn_.Sequential(nn_.Linear(32, 16), nn_.ReLU(), nn_.Linear(16, 8))
+
+
+@pytest.mark.parametrize("prune_type", ["magnitude", "snip", "snip_momentum", "gradient"])
+@pytest.mark.parametrize("pattern,target", [("1x1", 0.7), ("4x1", 0.5), ("2:4", 0.5)])
+@pytest.mark.parametrize("scope", ["global", "local"])
+def test_same_weights_and_gradients_give_identical_masks_in_torch_and_tensorplay(prune_type, pattern, target, scope):
+    tp = pytest.importorskip("tensorplay")
+    torch.manual_seed(3)
+    ref = _two_layers(nn)
+    grads = [{n: torch.randn_like(p) for n, p in ref.named_parameters()} for _ in range(3)]
+    cfg = {"prune_type": prune_type, "pattern": pattern, "target_sparsity": target, "prune_domain": scope,
+           "start_step": 0, "end_step": 2, "update_frequency_on_step": 1, "sparsity_decay_type": "linear"}
+    results = {}
+    for name, ns in (("torch", torch), ("tensorplay", tp)):
+        model = copy.deepcopy(ref) if name == "torch" else _two_layers(tp.nn)
+        if name == "tensorplay":
+            params = dict(model.named_parameters())
+            with tp.no_grad():
+                for n, p in ref.named_parameters():
+                    params[n].copy_(tp.from_dlpack(p.detach().clone()))
+        pruning = prepare_pruning(model, cfg)
+        masks = []
+        for step, g in enumerate(grads):  # three update steps, each with its own gradients; no optimizer
+            for i in (0, 2):
+                for pn, attr in (("weight", "weight_orig"), ("bias", "bias")):
+                    t = g[f"{i}.{pn}"].clone()
+                    getattr(model[i], attr).grad = t if name == "torch" else tp.from_dlpack(t)
+            pruning.on_step_begin(step)
+            pruning.step()
+            masks.append([T(model[i].weight_mask) for i in (0, 2)])
+        results[name] = masks, [T(model[i].weight) for i in (0, 2)], T(pruning.pruners[0].scores.get("0", ns.zeros(1)))
+    (mt, wt, st), (mp, wp, sp) = results["torch"], results["tensorplay"]
+    for step, (a, b) in enumerate(zip(mt, mp)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert x.dtype == y.dtype and torch.equal(x, y), (step, i)
+    assert all(torch.equal(x, y) for x, y in zip(wt, wp))
+    assert torch.equal(st, sp)  # the criterion's scores agree bit for bit
+    zeros = sum(int((m == 0).sum()) for m in mt[-1])
+    unit = get_pattern(pattern).unit_numel((16, 32))
+    assert zeros == round(target * (32 * 16 + 16 * 8) / unit) * unit
+    assert 0 < sum(int((m == 0).sum()) for m in mt[1]) < zeros  # the schedule really moved in steps
+
+
+def test_framework_mixing_is_refused_and_leaves_the_model_untouched():
+    tp = pytest.importorskip("tensorplay")
+    model = _two_layers(tp.nn)
+    before = _state(model)
+    cfg = {"prune_type": "magnitude", "pattern": "1x1", "target_sparsity": 0.5}
+    with pytest.raises(FrameworkMismatchError, match=r"optimizer SGD is a torch optimizer but the model is a "
+                                                     r"tensorplay Sequential; pass a tensorplay.optim optimizer"):
+        prepare_pruning(model, cfg, torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"is not a tensorplay.optim.Optimizer"):
+        prepare_pruning(model, cfg, object())
+    assert not prunekit.is_pruned(model)
+    after = _state(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(FrameworkMismatchError, match=r"modules 'a' \(tensorplay\) and 'b' \(torch\) are of "
+                                                     r"different frameworks"):
+        MagnitudePruner({"a": model[0], "b": nn.Linear(32, 16)}, cfg)
+    assert not hasattr(model[0], "weight_mask")
+    pruning = prepare_pruning(model, cfg)
+    with pytest.raises(FrameworkMismatchError, match="torch optimizer but the model is a tensorplay"):
+        pruning.attach_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
