@@ -33,26 +33,28 @@ def test_local_hits_budget_when_feasible(sizes, target, caps, block):
     assert all(0 <= c <= h for c, h in zip(counts, hi))
 
 
-def test_global_picks_lowest_across_layers_with_caps():
-    a = torch.tensor([0.1, 0.2, 0.3, 0.4])
-    b = torch.tensor([0.01, 0.02, 0.03, 0.04])
+def test_global_picks_lowest_across_layers_with_caps(framework):
+    a = framework.tensor(torch.tensor([0.1, 0.2, 0.3, 0.4]))
+    b = framework.tensor(torch.tensor([0.01, 0.02, 0.03, 0.04]))
     assert global_counts(4, [a, b], [1, 1], [0, 0], [4, 4]) == [0, 4]
     assert global_counts(4, [a, b], [1, 1], [0, 0], [4, 2]) == [2, 2]  # b capped at 2: a takes the rest
     assert global_counts(4, [a, b], [1, 1], [1, 0], [4, 4]) == [1, 3]  # a must lose at least one
 
 
-def test_global_respects_already_pruned_and_ineligible():
+def test_global_respects_already_pruned_and_ineligible(framework):
     inf = float("inf")
-    a = torch.tensor([-inf, 5.0, 6.0, inf])  # first already pruned, last not allowed
-    b = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    a = framework.tensor(torch.tensor([-inf, 5.0, 6.0, inf]))  # first already pruned, last not allowed
+    b = framework.tensor(torch.tensor([1.0, 2.0, 3.0, 4.0]))
     assert global_counts(6, [a, b], [1, 1], [1, 0], [3, 4]) == [2, 4]
+    # unit sizes that differ between layers: one stable ranking, then whole units
+    assert global_counts(6, [a, b], [2, 1], [1, 0], [3, 4]) == [1, 4]
 
 
 @settings(max_examples=30, deadline=None)
 @given(n=st.lists(st.integers(1, 40), min_size=1, max_size=5), frac=st.floats(0, 1), seed=st.integers(0, 999))
-def test_global_exact_budget(n, frac, seed):
+def test_global_exact_budget(framework, n, frac, seed):
     g = torch.Generator().manual_seed(seed)
-    scores = [torch.rand(k, generator=g) for k in n]
+    scores = [framework.tensor(torch.rand(k, generator=g)) for k in n]
     hi = [k // 2 + 1 for k in n]
     budget = int(round(frac * sum(hi)))
     counts = global_counts(budget, scores, [1] * len(n), [0] * len(n), hi)

@@ -101,3 +101,22 @@ def test_load_config_accepts_every_form():
     assert load_config([{"prune_type": "magnitude"}]).pruners == [pc]
     with pytest.raises(TypeError, match="pass a dict, a list of dicts, a YAML path"):
         load_config(3)
+
+
+@pytest.mark.parametrize("d, exc, msg", [
+    ({"target_sparsity": 1.5}, ValueError, r"target_sparsity=1.5 is out of range"),
+    ({"pattern": "2:4", "target_sparsity": 0.8}, ValueError, r"target_sparsity=0.8 does not match pattern '2:4'"),
+    ({"prune_type": "magnitude", "target_sparsity": 0.9, "max_sparsity_ratio_per_layer": 0.5}, ValueError,
+     r"target_sparsity=0.9 is above max_sparsity_ratio_per_layer=0.5"),
+])
+def test_config_errors_from_prepare_pruning_leave_the_model_untouched(framework, d, exc, msg):
+    import prunekit
+    from prunekit.training import prepare_pruning
+
+    model = framework.nn.Sequential(framework.nn.Linear(8, 8), framework.nn.ReLU(), framework.nn.Linear(8, 4))
+    before = {k: framework.to_torch(v) for k, v in model.state_dict().items()}
+    with pytest.raises(exc, match=msg):
+        prepare_pruning(model, d)
+    assert not prunekit.is_pruned(model)
+    after = {k: framework.to_torch(v) for k, v in model.state_dict().items()}
+    assert before.keys() == after.keys() and all(before[k].equal(after[k]) for k in before)

@@ -17,14 +17,14 @@ def test_conv_layout_puts_input_channels_innermost():
 @settings(max_examples=25, deadline=None)
 @given(n=st.sampled_from([1, 2, 4]), m=st.sampled_from([1, 2, 4]), conv=st.booleans(),
        frac=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
-def test_nxm_blocks_are_all_zero_or_untouched(n, m, conv, frac, seed):
+def test_nxm_blocks_are_all_zero_or_untouched(framework, n, m, conv, frac, seed):
     g = torch.Generator().manual_seed(seed)
     shape = (8, 8, 3, 3) if conv else (8, 12)
     w = torch.randn(shape, generator=g)
     p = get_pattern(f"{n}x{m}")
     n_units = p.n_units(shape)
     k = int(round(frac * n_units))
-    keep = p.mask_from_scores(w.abs(), k)
+    keep = framework.to_torch(p.mask_from_scores(framework.tensor(w.abs()), k))  # on the framework's tensors
     units = p.to_units(keep)
     assert units.shape == (n_units, n * m)
     # each block all kept or all pruned, exactly k pruned
@@ -62,14 +62,14 @@ def test_channel_patterns():
 
 @settings(max_examples=25, deadline=None)
 @given(nm=st.sampled_from([(2, 4), (1, 4), (3, 4), (4, 8), (1, 2)]), conv=st.booleans(), seed=st.integers(0, 2**16))
-def test_n_in_m_full_mask_has_at_most_n_nonzeros_per_group(nm, conv, seed):
+def test_n_in_m_full_mask_has_at_most_n_nonzeros_per_group(framework, nm, conv, seed):
     n, m = nm
     g = torch.Generator().manual_seed(seed)
     shape = (4, 8, 3, 3) if conv else (6, 16)
     w = torch.randn(shape, generator=g)
     p = get_pattern(f"{n}:{m}")
     full = p.max_units(shape)
-    keep = p.mask_from_scores(w.abs(), full)
+    keep = framework.to_torch(p.mask_from_scores(framework.tensor(w.abs()), full))
     groups = to_2d(keep).reshape(-1, m)
     assert torch.all(groups.sum(1) == n)  # exactly N non-zeros in every group of M
     # the kept ones are the N largest |w| of their group
@@ -80,17 +80,17 @@ def test_n_in_m_full_mask_has_at_most_n_nonzeros_per_group(nm, conv, seed):
     assert p.fixed_sparsity == (m - n) / m
 
 
-def test_n_in_m_partial_never_exceeds_group_limit():
+def test_n_in_m_partial_never_exceeds_group_limit(framework):
     p = get_pattern("2:4")
-    w = torch.tensor([[0.1, 0.2, 0.3, 0.4, 5.0, 6.0, 7.0, 8.0]])
+    w = framework.tensor(torch.tensor([[0.1, 0.2, 0.3, 0.4, 5.0, 6.0, 7.0, 8.0]]))
     keep = p.mask_from_scores(w, 3)  # the 3 smallest are all in group 0, which may lose only 2
     assert keep.tolist() == [[0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0]]
 
 
-def test_already_pruned_entries_stay_pruned_and_count():
+def test_already_pruned_entries_stay_pruned_and_count(framework):
     p = get_pattern("1x1")
-    w = torch.tensor([[5.0, 1.0, 2.0, 3.0]])
-    pruned = torch.tensor([[True, False, False, False]])
+    w = framework.tensor(torch.tensor([[5.0, 1.0, 2.0, 3.0]]))
+    pruned = framework.tensor(torch.tensor([[True, False, False, False]]))
     keep = p.mask_from_scores(w, 2, pruned=pruned)
     assert keep.tolist() == [[0.0, 0.0, 1.0, 1.0]]
 
