@@ -23,6 +23,10 @@ sparsity exactly. When a mask changes, the newly pruned entries of
 ``weight_orig`` are set to zero and the optimizer state at those entries
 (momentum, Adam's moments, ...) is cleared: a pruned weight receives no
 further update, even with weight decay. Masks only ever lose ones.
+
+A pruner drives modules of one framework -- ``torch.nn`` or ``tensorplay.nn``
+-- and does its tensor work in that framework through :mod:`prunekit._backend`;
+the same weights and gradients give the same masks in both.
 """
 
 from __future__ import annotations

@@ -7,6 +7,12 @@ itself to the optimizer's step hooks (``register_step_pre_hook`` /
 ``register_step_post_hook`` -- no monkey-patching), so the loop needs no
 change at all. ``unwire()`` removes the hooks.
 
+TensorPlay models work the same way: pass a ``tensorplay.nn`` model and a
+``tensorplay.optim`` optimizer (its step hooks and ``optimizer.state`` layout
+match PyTorch's); masks, scores and optimizer state stay TensorPlay tensors.
+Mixing frameworks (a TensorPlay model with a torch optimizer) raises
+:class:`~prunekit.FrameworkMismatchError` before the model is touched.
+
 Example (the whole change to a training loop)::
 
     import prunekit
