@@ -203,7 +203,8 @@ class _UnionFind:
     def __init__(self) -> None:
         self.n = 0
         self._edges: List[Tensor] = []  # (k, 2) int64 rows to union
-        self._blocks: List[Tuple[Tensor, str]] = []  # ids, reason (in the order recorded)
+        # ids, reason, and an optional tensor: only ids where it is < 0 (in the order recorded)
+        self._blocks: List[Tuple[Tensor, str, Optional[Tensor]]] = []
         self.roots: Optional[Tensor] = None  # after solve(): root of every id
         self.blocked: Dict[int, str] = {}  # after solve(): root -> reason
 
@@ -219,10 +220,19 @@ class _UnionFind:
             self._edges.append(pairs.reshape(-1, 2))  # rows with a negative id are dropped in solve()
             self.roots = None
 
-    def block(self, ids: Tensor, reason: str) -> None:
-        """Record a reason for the components of ``ids`` (negative ids are ignored)."""
+    def union_rows(self, a: Tensor, b: Tensor) -> None:
+        """Union ``a[i]`` with ``b[i]`` for every i (1-d, same length; negative ids are ignored)."""
+        if a.numel():
+            self._edges.append(torch.stack([a, b], dim=1))
+            self.roots = None
+
+    def block(self, ids: Tensor, reason: str, where_negative: Optional[Tensor] = None) -> None:
+        """Record a reason for the components of ``ids`` (negative ids are ignored).
+
+        ``where_negative``: same length as ``ids``; only ids at its negative entries count.
+        """
         if ids.numel():
-            self._blocks.append((ids.reshape(-1), reason))
+            self._blocks.append((ids.reshape(-1), reason, where_negative))
             self.roots = None
 
     def solve(self) -> Tensor:
@@ -251,10 +261,9 @@ class _UnionFind:
                     parent = nxt
         self.blocked = {}
         if self._blocks:
-            ids = torch.cat([i for i, _ in self._blocks]).to(torch.long)
-            order = torch.repeat_interleave(
-                torch.arange(len(self._blocks)), torch.tensor([int(i.numel()) for i, _ in self._blocks])
-            )
+            picked = [i if cond is None else i[cond.reshape(-1) < 0] for i, _, cond in self._blocks]
+            ids = torch.cat(picked).to(torch.long)
+            order = torch.repeat_interleave(torch.arange(len(self._blocks)), torch.tensor([int(i.numel()) for i in picked]))
             keep = ids >= 0
             ids, order = ids[keep], order[keep]
             first = torch.full((self.n,), len(self._blocks), dtype=torch.long)
@@ -435,14 +444,19 @@ class Tracer:
         if s is None:
             self.block(ids, f"input of module '{self.where}' does not come from a prunable layer")
             return
-        s = _core(s.movedim(dim, -1), keep=(x.dim() - 1,))
-        s = s.reshape(-1, ids.numel())
-        if s.shape[0] > 1:
-            s = torch.unique(s, dim=0)
-        pairs = torch.stack([s, ids.view(1, -1).expand_as(s)], dim=-1).reshape(-1, 2)
-        if bool((s < 0).any()):
-            self.block(pairs[pairs[:, 0] < 0, 1], f"input of module '{self.where}' mixes prunable and fixed channels")
-        self.uf.union_pairs(pairs)
+        s = _core(s, keep=(dim,))
+        if s.numel() == ids.numel():  # labels vary along the channel dim only (the usual case)
+            s = s.reshape(-1)
+            fixed = s
+            self.uf.union_rows(s, ids)
+        else:
+            s = torch.unique(s.movedim(dim, -1).reshape(-1, ids.numel()), dim=0)
+            pairs = torch.stack([s, ids.view(1, -1).expand_as(s)], dim=-1).reshape(-1, 2)
+            fixed = pairs[:, 0]
+            ids = pairs[:, 1]
+            self.uf.union_pairs(pairs)
+        # channels fed by a fixed (unlabeled) value cannot go
+        self.uf.block(ids, f"input of module '{self.where}' mixes prunable and fixed channels", where_negative=fixed)
 
     def emit(self, out: Any, dim: int, ids: Tensor) -> None:
         """Label dimension ``dim`` of output ``out`` with a producer slot's ids."""
@@ -1006,12 +1020,12 @@ def _default_final_layers(tracer: Tracer) -> List[str]:
             continue  # coupled with something else
         if not all(tracer.uf.blocked.get(r) == _OUTPUT_REASON for r in uniq):
             continue
-        alone = True
-        for (m2, s2), i2 in tracer.slots.items():
-            if (m2, s2) != (mname, sname) and bool(torch.isin(roots[i2.start : i2.start + i2.spec.size], mine).any()):
-                alone = False
-                break
-        if alone:
+        # alone: no id of any other slot shares a component with these outputs
+        mark = torch.zeros(roots.numel(), dtype=torch.bool)
+        mark[mine] = True
+        hits = mark[roots]
+        hits[info.start : info.start + info.spec.size] = False
+        if not bool(hits.any()):
             candidates.append(mname)
     if not candidates:
         return []
