@@ -301,21 +301,24 @@ def test_sparsify_needs_weights(capsys):
 
 
 # --------------------------------------------------------------------- demo (quick)
+def _env():
+    src = os.path.join(os.path.dirname(HERE), "src")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+
+
 @pytest.fixture(scope="module")
 def quick_demo(tmp_path_factory):
+    # in a subprocess: the demo imports scikit-learn (and so scipy), which must not leak into this
+    # process (TensorPlay cannot find LAPACK once scipy's OpenBLAS is loaded)
     out = tmp_path_factory.mktemp("demo")
-    import io
-    from contextlib import redirect_stderr, redirect_stdout
-
-    buf, errbuf = io.StringIO(), io.StringIO()
-    with redirect_stdout(buf), redirect_stderr(errbuf):
-        code = main(["demo", "--quick", "--out", str(out), "--json"])
-    return code, buf.getvalue(), errbuf.getvalue(), out
+    p = subprocess.run([sys.executable, "-m", "prunekit", "demo", "--quick", "--out", str(out), "--json"],
+                       capture_output=True, text=True, env=_env(), timeout=600)
+    return p.returncode, p.stdout, p.stderr, out
 
 
 def test_demo_quick_json(quick_demo):
-    code, stdout, _, out = quick_demo
-    assert code == 0
+    code, stdout, err, out = quick_demo
+    assert code == 0, err
     d = json.loads(stdout)
     assert d == json.loads((out / "results.json").read_text())
     assert d["errors"] == []
@@ -375,8 +378,7 @@ def test_demo_bad_out(capsys, tmp_path):
 
 # --------------------------------------------------------------------- the real entry points
 def test_python_dash_m_exit_codes(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(HERE), "src"),
-                                                      os.environ.get("PYTHONPATH", "")]))
+    env = _env()
     ok = subprocess.run([sys.executable, "-m", "prunekit", "--version"], capture_output=True, text=True, env=env)
     assert ok.returncode == 0 and ok.stdout.startswith("prunekit ")
     bad = subprocess.run([sys.executable, "-m", "prunekit", "inspect", str(tmp_path / "missing.pt")],
@@ -390,6 +392,13 @@ def test_demo_failed_stage_is_reported_and_the_rest_still_runs(capsys, tmp_path,
     import prunekit.compact
     import prunekit.demo as demo
 
+    def synthetic_digits(seed=0):  # stands in for scikit-learn's digits: this test is about the failure path
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(320, 1, 8, 8, generator=g)
+        y = (x.mean(dim=(1, 2, 3)) > 0).long() + 2 * (x[:, 0, 0, 0] > 0).long()
+        return x[:256], y[:256], x[256:], y[256:]
+
+    monkeypatch.setattr(demo, "load_data", synthetic_digits)
     tiny = demo.DemoSettings(dense_epochs=1, finetune_epochs=1, levels=(0.9,), latency_repeats=3, name="tiny")
     monkeypatch.setattr(demo.DemoSettings, "quick", classmethod(lambda cls, **kw: tiny))
 

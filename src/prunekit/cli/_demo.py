@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from typing import Any, Dict, List, Optional
@@ -126,11 +127,9 @@ def run(args: argparse.Namespace) -> int:
 
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise CliError(f"--out {args.out} exists and is not a folder")
-    try:
-        import sklearn  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("sklearn") is None:
         raise CliError("the demo needs scikit-learn (its digits data ship with it): pip install scikit-learn",
-                       1) from None
+                       1)
     settings = (DemoSettings.quick if args.quick else DemoSettings)(seed=args.seed, threads=args.threads)
     cb, close = _progress_reporter(enabled=not args.json)
     try:
