@@ -142,8 +142,10 @@ def global_unstructured(
 
     snapshots = [reparam.Snapshot(m) for m, _ in pairs]
     try:
-        for (module, name), mask in zip(pairs, new_masks):
+        for i, (module, name) in enumerate(pairs):
+            mask, new_masks[i] = new_masks[i], None  # freed as soon as it is stored: a low peak
             CustomFromMask.apply(module, name, mask=mask, mask_dtype=mask_dtype)
+            del mask
     except BaseException:
         for snap in reversed(snapshots):
             snap.restore()

@@ -231,6 +231,7 @@ class CustomFromMask(BasePruningMethod):
     """Prune with a mask computed elsewhere. Once stored in ``name_mask`` the hook keeps no copy of it."""
 
     PRUNING_TYPE = "global"
+    _lazy_default_ok = True
 
     def __init__(self, mask: Tensor) -> None:
         if not is_tensor(mask):
@@ -245,7 +246,10 @@ class CustomFromMask(BasePruningMethod):
                 f"default_mask shape {tuple(default_mask.shape)} must match mask shape {tuple(self.mask.shape)}"
             )
         same_backend(backend_of(default_mask) or TORCH, self.mask, "mask", "custom_from_mask")
-        return default_mask * self.mask.to(dtype=default_mask.dtype, device=default_mask.device)
+        mask = self.mask.to(dtype=default_mask.dtype, device=default_mask.device)
+        if is_lazy_ones(default_mask):  # first pruning: the mask itself, in a tensor of its own
+            return mask.clone() if mask is self.mask else mask
+        return default_mask * mask
 
     def _release(self) -> None:
         self.mask = None
