@@ -431,3 +431,19 @@ def test_demo_settings_validation(kwargs, match):
 
     with pytest.raises(ValueError, match=match):
         DemoSettings(**kwargs)
+
+
+def test_plain_text_output_without_rich(capsys, tmp_path, monkeypatch):
+    import prunekit.cli._common as common
+
+    monkeypatch.setattr(common, "console", lambda stderr=False: None)  # as if rich were not installed
+    m = cli_models.make_mlp()
+    prunekit.l1_unstructured(m[2], "weight", amount=0.5)
+    torch.save(m.state_dict(), tmp_path / "m.pt")
+    code, out, err = run(capsys, "inspect", tmp_path / "m.pt")
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].startswith(str(tmp_path / "m.pt"))
+    row = next(ln for ln in lines if ln.startswith("2.weight"))
+    assert row.split()[:3] == ["2.weight", "128x128", "50.0%"]
+    assert any(ln.startswith("total (3 weights)") for ln in lines)
