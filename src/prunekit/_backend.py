@@ -32,6 +32,7 @@ only exist once the user imported ``tensorplay``, so it is looked up in
 from __future__ import annotations
 
 import math
+import os
 import sys
 from typing import Any, Callable, Optional, Sequence, Tuple
 
@@ -200,6 +201,10 @@ class _TensorPlayBackend(Backend):
         flat = x.permute(*keep, *dims).reshape(*[x.shape[d] for d in keep], -1)
         return self.ns.linalg.vector_norm(flat, ord=order, dim=[-1])
 
+    def matrix_nuclear_norm(self, mat: Any) -> Any:
+        _point_tensorplay_at_numpy_lapack()
+        return self.ns.linalg.matrix_norm(mat, ord="nuc")
+
     def ones_like(self, t: Any, contiguous: bool = True) -> Any:
         # no memory_format argument; ones_like keeps t's layout, ones() is contiguous
         if contiguous:
@@ -209,6 +214,41 @@ class _TensorPlayBackend(Backend):
     def empty_like(self, t: Any, dtype: Any, channels_last: bool = False) -> Any:
         out = self.ns.empty(tuple(t.shape), dtype=dtype, device=t.device)
         return out.contiguous(memory_format=self.channels_last) if channels_last else out
+
+
+_LAPACK_CHECKED = False
+
+
+def _point_tensorplay_at_numpy_lapack() -> None:
+    """Make TensorPlay's SVD find numpy's ILP64 OpenBLAS even when SciPy is loaded.
+
+    TensorPlay 1.0.0 resolves LAPACK at its first SVD from the OpenBLAS already
+    loaded in the process; once SciPy (scikit-learn) has loaded its own LP64
+    ``libscipy_openblas``, that resolution fails, and the failure is cached for
+    the life of the process. ``TP_LAPACK_LIB`` names the library explicitly:
+    unless the user set it, point it at the ILP64 OpenBLAS bundled with numpy
+    (the one TensorPlay looks for) before the first SVD. Best effort: nothing
+    happens where numpy's bundled library is not found.
+    """
+    global _LAPACK_CHECKED
+    if _LAPACK_CHECKED:
+        return
+    _LAPACK_CHECKED = True
+    if os.environ.get("TP_LAPACK_LIB"):
+        return
+    import glob
+    import importlib.util
+
+    spec = importlib.util.find_spec("numpy")
+    if spec is None or not spec.origin:
+        return
+    pkg = os.path.dirname(spec.origin)
+    for pattern in (pkg + ".libs/libscipy_openblas64_*.so*", os.path.join(pkg, ".dylibs", "libscipy_openblas64_*.dylib"),
+                    pkg + ".libs/libscipy_openblas64_*.dll"):
+        found = sorted(glob.glob(pattern))
+        if found:
+            os.environ["TP_LAPACK_LIB"] = found[0]
+            return
 
 
 TORCH = Backend("torch", torch, torch.Tensor, torch.nn.Module, torch.nn.Parameter)
