@@ -292,6 +292,15 @@ def _core(s: Tensor, keep: Sequence[int] = ()) -> Tensor:
     return s
 
 
+def _canonical_core(s: Tensor) -> Tensor:
+    """:func:`_canonical`'s core: size 1 along every constant dim."""
+    r = _core(s)
+    for d in range(r.dim()):
+        if r.shape[d] > 1 and bool((r == r.narrow(d, 0, 1)).all()):
+            r = r.narrow(d, 0, 1)
+    return r
+
+
 def _canonical(s: Tensor) -> Tensor:
     """The same labels as a view whose stride is 0 along exactly the dims where they are constant.
 
@@ -326,6 +335,13 @@ def _squeeze_constant(*shadows: Tensor) -> List[Tensor]:
 def _varying_dims(s: Tensor) -> List[int]:
     """Dimensions along which a canonical shadow's labels change."""
     return [d for d in range(s.dim()) if s.shape[d] > 1 and s.stride(d) != 0]
+
+
+def _is_fixed(s: Tensor) -> bool:
+    """True for a shadow without any id (all -1); stored shadows always hold one."""
+    if s.numel() == 0:
+        return True
+    return s.stride() == (0,) * s.dim() and int(s.reshape(-1)[0]) < 0
 
 
 def _fixed(shape: Sequence[int]) -> Tensor:
@@ -389,10 +405,20 @@ class Tracer:
             return None
         return entry[1]
 
-    def set_shadow(self, t: Tensor, s: Optional[Tensor], canonical: bool = False, labeled: bool = False) -> None:
+    def _entry(self, t: Tensor) -> Optional[Tuple[Any, Tensor, Tensor]]:
+        """(weak ref, shadow, core) of ``t``; the core is the shadow narrowed along its constant dims."""
+        entry = self.shadows.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        return entry
+
+    def set_shadow(
+        self, t: Tensor, s: Optional[Tensor], canonical: bool = False, labeled: bool = False, core: Optional[Tensor] = None
+    ) -> None:
         """Record ``s`` as the shadow of ``t`` (None or all -1: no channel ids).
 
-        ``canonical``: ``s`` is already canonical; ``labeled``: it has an id >= 0.
+        ``canonical``: ``s`` is already canonical; ``labeled``: it has an id >= 0;
+        ``core``: its core, if known (implies canonical).
         """
         key = id(t)
         if s is None:
@@ -400,9 +426,14 @@ class Tracer:
             return
         if s.shape != t.shape:
             raise RuntimeError(f"internal: shadow shape {tuple(s.shape)} != tensor shape {tuple(t.shape)}")
-        if not canonical:
-            s = _canonical(s)
-        if not labeled and not bool((_core(s) >= 0).any()):
+        if core is None:
+            if canonical:
+                core = _core(s)
+            else:
+                core = _canonical_core(s)
+                if core.shape != s.shape:
+                    s = core.expand(s.shape)
+        if not labeled and not bool((core >= 0).any()):
             self.shadows.pop(key, None)
             return
         # A weak reference: activations are freed as the model runs (as without tracing);
@@ -414,7 +445,7 @@ class Tracer:
             if e is not None and e[0] is ref:
                 del shadows[key]
 
-        self.shadows[key] = (weakref.ref(t, _gone), s)
+        self.shadows[key] = (weakref.ref(t, _gone), s, core)
 
     def tie(self, ids: Tensor) -> None:
         """Union each row of a 2-D id tensor into one unit."""
@@ -440,11 +471,13 @@ class Tracer:
         if x.shape[dim] != ids.numel():
             self.block(ids, f"input of module '{self.where}' has {x.shape[dim]} channels, expected {ids.numel()}")
             return
-        s = self.shadow(x)
-        if s is None:
+        entry = self._entry(x)
+        if entry is None:
             self.block(ids, f"input of module '{self.where}' does not come from a prunable layer")
             return
-        s = _core(s, keep=(dim,))
+        s = entry[2]
+        if s.shape[dim] != x.shape[dim]:  # the same ids along the channel dim: spell them out
+            s = s.expand(tuple(x.shape[dim] if i == dim else n for i, n in enumerate(s.shape)))
         if s.numel() == ids.numel():  # labels vary along the channel dim only (the usual case)
             s = s.reshape(-1)
             fixed = s
@@ -465,8 +498,12 @@ class Tracer:
         dim = dim % out.dim()
         shape = [1] * out.dim()
         shape[dim] = ids.numel()
+        core = ids.view(shape)
         # shadows are never mutated: a zero-copy view; slot ids are distinct, so it is canonical
-        self.set_shadow(out, ids.view(shape).expand(out.shape), canonical=ids.numel() > 1, labeled=bool(ids.numel()))
+        if ids.numel() > 1:
+            self.set_shadow(out, core.expand(out.shape), core=core, labeled=True)
+        else:
+            self.set_shadow(out, core.expand(out.shape))
 
     # ---- hooks
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -500,8 +537,9 @@ class Tracer:
             if base in POINTWISE:
                 self._pointwise(name, args, kwargs, out)
             elif base in SAME:
-                if isinstance(out, Tensor) and out.shape == args[0].shape and self.shadow(args[0]) is not None:
-                    self.set_shadow(out, self.shadow(args[0]), canonical=True)
+                entry = self._entry(args[0]) if isinstance(args[0], Tensor) else None
+                if isinstance(out, Tensor) and entry is not None and out.shape == args[0].shape:
+                    self.set_shadow(out, entry[1], core=entry[2], labeled=True)
             elif base in SHAPE:
                 self._shape(func, args, kwargs, out)
             elif base in MULTI:
@@ -554,11 +592,16 @@ class Tracer:
         shape = out.shape
         tensors = [a for a in args if isinstance(a, Tensor)] + [a for a in kwargs.values() if isinstance(a, Tensor)]
         if len(tensors) == 1 and tensors[0].shape == shape:  # relu(x), x * 2.0, ...: same labels
-            self.set_shadow(out, self.shadow(tensors[0]), canonical=True, labeled=True)
+            entry = self._entry(tensors[0])
+            if entry is None:
+                self.set_shadow(out, None)
+            else:
+                self.set_shadow(out, entry[1], core=entry[2], labeled=True)
             return
         operands = [self._operand(a, shape) for a in list(args) + list(kwargs.values())]
         operands = [(s, sh) for s, sh in operands if s is not None]
-        labeled = [(s, sh) for s, sh in operands if bool((_core(s) >= 0).any())]
+        # stored shadows always hold an id >= 0; tensors without one got the all -1 _fixed()
+        labeled = [(s, sh) for s, sh in operands if not _is_fixed(s)]
         if not labeled:
             self.set_shadow(out, None)
             return
