@@ -1029,20 +1029,35 @@ def _collect(tracer: Tracer, ignored: Tuple[str, ...]) -> DependencyGraph:
             for lo, hi, r in zip(first_run.tolist(), first_run.tolist()[1:] + [run_root.numel()], reason_of_root[unit_root_t].tolist())
         ]
         sig_of_unit = torch.tensor(ids_list)
-    bounds = first_run.tolist() + [int(run_root.numel())]
+    # groups in the order of their first unit; units of a group in order
+    n_sig = int(sig_of_unit.max()) + 1
+    if not exact:
+        first_of_sig = torch.full((n_sig,), n_units, dtype=torch.long)
+        first_of_sig.scatter_reduce_(0, sig_of_unit, torch.arange(n_units), reduce="amin")
+    sig_order = torch.argsort(first_of_sig)
+    rank = torch.empty_like(sig_order)
+    rank[sig_order] = torch.arange(n_sig)
+    unit_rank = rank[sig_of_unit]
+    unit_order = torch.argsort(unit_rank, stable=True)
+    per_group = torch.bincount(unit_rank, minlength=n_sig).tolist()
+    lo_list = first_run[unit_order].tolist()
+    hi_list = (first_run[unit_order] + n_runs[unit_order]).tolist()
     run_slot = run_slot_t.tolist()
-    unit_roots = unit_root_t.tolist()
-    groups_by_sig: Dict[int, Group] = {}
-    names_by_sig: Dict[int, Tuple[Tuple[str, str], ...]] = {}
-    for u, gid in enumerate(sig_of_unit.tolist()):
-        lo, hi = bounds[u], bounds[u + 1]
-        g = groups_by_sig.get(gid)
-        if g is None:
-            names_by_sig[gid] = tuple(keys[i] for i in run_slot[lo:hi])
-            g = groups_by_sig[gid] = Group(tuple(sorted(names_by_sig[gid])), [], blocked=uf.blocked.get(unit_roots[u]))
+    first_units = first_of_sig[sig_order]
+    unit_roots = unit_root_t[first_units].tolist()
+    lo_of_first = first_run[first_units].tolist()
+    runs_of_first = n_runs[first_units].tolist()
+    groups: List[Group] = []
+    pos = 0
+    for gi, count in enumerate(per_group):
+        lo0 = lo_of_first[gi]
+        names = tuple(keys[i] for i in run_slot[lo0 : lo0 + runs_of_first[gi]])
+        spans = zip(lo_list[pos : pos + count], hi_list[pos : pos + count])
         # members in slot order, as the slots were first seen
-        g.units.append(Unit(dict(zip(names_by_sig[gid], pieces[lo:hi]))))
-    return DependencyGraph(tracer.model, list(groups_by_sig.values()), tracer.slots, tracer.handlers, ignored)
+        units = [Unit(dict(zip(names, pieces[lo:hi]))) for lo, hi in spans]
+        groups.append(Group(tuple(sorted(names)), units, blocked=uf.blocked.get(unit_roots[gi])))
+        pos += count
+    return DependencyGraph(tracer.model, groups, tracer.slots, tracer.handlers, ignored)
 
 
 def _default_final_layers(tracer: Tracer) -> List[str]:
