@@ -59,7 +59,7 @@ class DemoSettings:
     finetune_lr: float = 1e-3
     prune_until: float = 0.6  # share of the fine-tuning steps over which the gradual schedule ramps
     latency_batch: int = 64
-    latency_repeats: int = 40
+    latency_repeats: int = 100
     seed: int = 0
     threads: int = 1
     chosen: str = "gradual_magnitude_90"
