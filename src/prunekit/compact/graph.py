@@ -20,6 +20,15 @@ shadow it receives. The connected components of this union-find are the
 *units* (one channel, one head, one group of a grouped conv); units spanning
 the same set of layer dimensions form a *group*.
 
+Cost: about one forward pass. Shadows are *canonical* zero-copy views: stride 0
+along exactly the dims where their labels are constant, so a 1x64x112x112 layer
+output's shadow is a 64-element ``arange`` expanded, every rule reads "which dims
+vary" from strides and works on the small core (never on activation-sized
+data). The model runs once under ``torch.no_grad()`` (no autograd bookkeeping);
+unions and blocks are only recorded during the run and solved at the end with
+vectorized hooking and pointer jumping; units and groups are formed with a few
+sorts instead of per-channel Python loops.
+
 Why this tracer and not torch.fx or torch.export
 ------------------------------------------------
 * ``torch.fx.symbolic_trace`` fails on data-dependent Python control flow and
@@ -308,19 +317,8 @@ def _canonical(s: Tensor) -> Tensor:
     every later rule works on the small core. Only non-stride-0 dims are checked, on
     the already narrowed core.
     """
-    r = _core(s)
-    for d in range(r.dim()):
-        if r.shape[d] > 1 and bool((r == r.narrow(d, 0, 1)).all()):
-            r = r.narrow(d, 0, 1)
+    r = _canonical_core(s)
     return r.expand(s.shape) if r.shape != s.shape else s
-
-
-def _uniq(t: Tensor) -> List[int]:
-    if t.dim():
-        t = _core(t)
-    t = t.reshape(-1)
-    t = t[t >= 0]
-    return torch.unique(t).tolist() if t.numel() else []
 
 
 def _squeeze_constant(*shadows: Tensor) -> List[Tensor]:
