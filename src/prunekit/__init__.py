@@ -75,8 +75,16 @@ _LAZY = {
     "restore_dense": ".sparse",
     "SparsifyReport": ".sparse",
     "CorruptCheckpointError": ".sparse",
+    # reports and plots (prunekit.report)
+    "model_report": ".report",
+    "ModelReport": ".report",
+    "LayerReport": ".report",
+    "read_checkpoint": ".report",
+    "UnsafeCheckpointError": ".report",
+    "plot_layer_sparsity": ".report",
+    "plot_accuracy_vs_sparsity": ".report",
 }
-_SUBMODULES = {"compact", "training", "sparse", "kernels", "reparam"}
+_SUBMODULES = {"compact", "training", "sparse", "kernels", "reparam", "report", "demo", "cli"}
 
 
 def __getattr__(name: str) -> Any:
