@@ -65,6 +65,19 @@ def _validate_structured(t: Tensor, dim: int) -> int:
     return dim % t.dim()
 
 
+def _count(amount: Amount, units: int) -> int:
+    """Units to prune out of ``units`` (torch's rounding), refused if above what there is."""
+    nparams_toprune = compute_nparams_to_prune(amount, units)
+    validate_pruning_amount(nparams_toprune, units)
+    return nparams_toprune
+
+
+def _check_dim(dim: int) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {dim!r}")
+    return dim
+
+
 def _channel_mask(keep_channels: Tensor, t: Tensor, dim: int) -> Tensor:
     shape = [1] * t.dim()
     shape[dim] = -1
@@ -96,8 +109,7 @@ class RandomUnstructured(BasePruningMethod):
 
     def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
         tensor_size = t.numel()
-        nparams_toprune = compute_nparams_to_prune(self.amount, tensor_size)
-        validate_pruning_amount(nparams_toprune, tensor_size)
+        nparams_toprune = _count(self.amount, tensor_size)
         b = backend_of(t) or TORCH
         mask = default_mask.clone(memory_format=b.contiguous_format)
         if nparams_toprune != 0:
@@ -123,8 +135,7 @@ class L1Unstructured(BasePruningMethod):
 
     def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
         tensor_size = t.numel()
-        nparams_toprune = compute_nparams_to_prune(self.amount, tensor_size)
-        validate_pruning_amount(nparams_toprune, tensor_size)
+        nparams_toprune = _count(self.amount, tensor_size)
         if nparams_toprune == 0:
             return default_mask
         return _with_keep(default_mask, keep_mask_smallest(t, nparams_toprune).view(t.shape))
@@ -135,8 +146,7 @@ class L1Unstructured(BasePruningMethod):
             return None  # a subclass changed the rule: use the generic path
         eligible = mask == 1
         remaining = int(eligible.sum())
-        nparams_toprune = compute_nparams_to_prune(self.amount, remaining)
-        validate_pruning_amount(nparams_toprune, remaining)
+        nparams_toprune = _count(self.amount, remaining)
         if nparams_toprune == 0:
             return mask
         return mask * keep_mask_smallest(t, nparams_toprune, eligible).view(t.shape)
@@ -154,16 +164,13 @@ class RandomStructured(BasePruningMethod):
 
     def __init__(self, amount: Amount, dim: int = -1) -> None:
         validate_pruning_amount_init(amount)
-        if isinstance(dim, bool) or not isinstance(dim, int):
-            raise TypeError(f"dim must be an int, got {dim!r}")
         self.amount = amount
-        self.dim = dim
+        self.dim = _check_dim(dim)
 
     def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
         dim = _validate_structured(t, self.dim)
         tensor_size = t.shape[dim]
-        nparams_toprune = compute_nparams_to_prune(self.amount, tensor_size)
-        validate_pruning_amount(nparams_toprune, tensor_size)
+        nparams_toprune = _count(self.amount, tensor_size)
         if nparams_toprune == 0:
             return default_mask
         b = backend_of(t) or TORCH
@@ -194,17 +201,14 @@ class LnStructured(BasePruningMethod):
     def __init__(self, amount: Amount, n: NormOrder, dim: int = -1) -> None:
         validate_pruning_amount_init(amount)
         validate_norm_order(n)
-        if isinstance(dim, bool) or not isinstance(dim, int):
-            raise TypeError(f"dim must be an int, got {dim!r}")
         self.amount = amount
         self.n = n
-        self.dim = dim
+        self.dim = _check_dim(dim)
 
     def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
         dim = _validate_structured(t, self.dim)
         tensor_size = t.shape[dim]
-        nparams_toprune = compute_nparams_to_prune(self.amount, tensor_size)
-        validate_pruning_amount(nparams_toprune, tensor_size)
+        nparams_toprune = _count(self.amount, tensor_size)
         if nparams_toprune == 0:
             return default_mask
         b = backend_of(t) or TORCH
