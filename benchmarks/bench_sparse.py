@@ -81,7 +81,7 @@ def bench_size(quick: bool) -> None:
     import safetensors.torch as st
 
     print("\n== 1. checkpoint size: 4 x Linear(1024, 1024), float32 (16.8 MB dense) ==")
-    print("   'removed' = prunekit.remove (weight = orig * mask, so pruned negatives are -0.0)")
+    print("   'removed' = prunekit.remove (pruned entries become +0.0; 'no -0 sign' matters only for tensors holding -0.0)")
     print(f"{'sparsity':>8} {'dense':>11} {'gzip':>11} {'compressed':>11} {'no -0 sign':>11} "
           f"{'comp/dense':>10} {'nosign/dense':>12} {'gzip/dense':>10} {'comp/gzip':>9}")
     tmp = tempfile.mkdtemp(prefix="bench_sparse_")
