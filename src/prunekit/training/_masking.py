@@ -35,11 +35,14 @@ def get_mask(module: nn.Module, name: str = "weight") -> Tensor:
     return getattr(module, name + "_mask")
 
 
-def raw_weight(module: nn.Module, name: str = "weight") -> Tensor:
-    """The dense tensor before masking (``name_orig`` if pruned, else ``name``)."""
+def raw_weight(module: nn.Module, name: str = "weight") -> Optional[Tensor]:
+    """The dense tensor before masking (``name_orig`` if pruned, else ``name``; None if absent).
+
+    Never evaluates a pruned module's ``name`` property (that would compute ``orig * mask``).
+    """
     if is_reparametrized(module, name):
         return get_orig(module, name)
-    return getattr(module, name)
+    return getattr(module, name, None)
 
 
 def ensure_mask(module: nn.Module, name: str = "weight", init: Optional[Tensor] = None) -> Tensor:

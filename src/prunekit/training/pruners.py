@@ -100,7 +100,7 @@ def select_modules(model: nn.Module, config: Union[PrunerConfig, Mapping[str, An
     for qname, module in model.named_modules():
         if not types.intersection(_class_names(module)):
             continue
-        if not (mk.is_reparametrized(module, name) or is_tensor(getattr(module, name, None))):
+        if not is_tensor(mk.raw_weight(module, name)):
             continue
         if inc and not any(p.search(qname) for p in inc):
             continue
@@ -139,6 +139,9 @@ class Pruner:
     weight_name = "weight"
     #: a pattern this pruner always uses, whatever the config says (None: the config's)
     fixed_pattern: Optional[str] = None
+    #: False for a pruner that only keeps the zeros the layers already have: it has no
+    #: target to check, its target is the initial sparsity, and it never updates masks
+    adds_zeros: bool = True
 
     def __init__(self, modules: Union[Mapping[str, nn.Module], nn.Module], config: Union[PrunerConfig, Mapping[str, Any]]) -> None:
         self.config: PrunerConfig = _as_config(config)
@@ -153,7 +156,7 @@ class Pruner:
         for name, module in modules.items():
             if not is_module(module):
                 raise TypeError(f"modules[{name!r}]={module!r} is not an nn.Module (torch.nn or tensorplay.nn)")
-            w = mk.raw_weight(module, self.weight_name) if hasattr(module, self.weight_name) or mk.is_reparametrized(module, self.weight_name) else None
+            w = mk.raw_weight(module, self.weight_name)
             if not is_tensor(w):
                 raise ValueError(f"module {name!r} ({type(module).__name__}) has no tensor {self.weight_name!r} to prune")
             reason = self.pattern.check(tuple(w.shape))
@@ -183,7 +186,9 @@ class Pruner:
         }
         self.initial_sparsity = self._group_sparsity()
         self.current_sparsity_ratio = self.initial_sparsity
-        if self.modules and self.initial_sparsity > self.target_sparsity_ratio + 1e-12 and not isinstance(self, PatternLockPruner):
+        if not self.adds_zeros:
+            self.target_sparsity_ratio = self.initial_sparsity
+        elif self.modules and self.initial_sparsity > self.target_sparsity_ratio + 1e-12:
             logger.warning(
                 "layers already at sparsity %.4f, above target_sparsity=%s; masks only lose ones, so they stay",
                 self.initial_sparsity, self.target_sparsity_ratio,
@@ -216,7 +221,7 @@ class Pruner:
         return lo, hi
 
     def _check_target(self, initial: Mapping[str, Optional[Tensor]]) -> None:
-        if not self.modules or isinstance(self, PatternLockPruner):
+        if not self.modules or not self.adds_zeros:
             return
         names, numel, lo, hi, un = [], [], [], [], []
         for n, m in self.modules.items():
@@ -310,7 +315,7 @@ class Pruner:
     # ------------------------------------------------------------------ work
     def check_is_pruned_step(self, step: int) -> bool:
         """True when the masks are updated at ``step``."""
-        return bool(self.modules) and self.scheduler.is_update_step(step)
+        return self.adds_zeros and bool(self.modules) and self.scheduler.is_update_step(step)
 
     def _needs_scores_now(self, step: int) -> bool:
         if not self.criterion.needs_grad or not self.modules:
@@ -488,18 +493,11 @@ class PatternLockPruner(Pruner):
 
     criterion_name = "magnitude"
     fixed_pattern = "1x1"
+    adds_zeros = False
 
     def _initial_mask(self, name: str, module: nn.Module) -> Optional[Tensor]:
         w = mk.raw_weight(module, self.weight_name)
         return (w != 0).to(w.dtype)
-
-    def check_is_pruned_step(self, step: int) -> bool:
-        return False
-
-    def __init__(self, modules, config) -> None:
-        super().__init__(modules, config)
-        self.target_sparsity_ratio = self.initial_sparsity
-        self.current_sparsity_ratio = self.initial_sparsity
 
 
 def _modules_backend(modules: Mapping[str, Any], where: str) -> Backend:
