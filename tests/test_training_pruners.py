@@ -19,6 +19,7 @@ from prunekit.training import (
     Pruner,
     PruningConfig,
     SnipMomentumPruner,
+    SnipPruner,
     get_pruner,
     prepare_pruning,
     register_pruners,
@@ -592,3 +593,21 @@ def test_framework_mixing_is_refused_and_leaves_the_model_untouched():
     pruning = prepare_pruning(model, cfg)
     with pytest.raises(FrameworkMismatchError, match="torch optimizer but the model is a tensorplay"):
         pruning.attach_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+
+
+def test_gradient_scores_equal_those_of_the_masked_weight():
+    # update_scores hands the criterion weight_orig, not weight_orig * weight_mask: the
+    # scores must still be those of the masked weight (zero wherever the mask is zero).
+    torch.manual_seed(0)
+    fc = nn.Linear(8, 4)
+    p = SnipPruner({"fc": fc}, {"prune_type": "snip", "pattern": "1x1", "target_sparsity": 0.5, "end_step": 0})
+    fc(torch.randn(5, 8)).pow(2).sum().backward()
+    p.on_step_begin(0)
+    p.on_before_optimizer_step()
+    p.on_step_end()  # one-shot: half the weights pruned
+    assert int((fc.weight_mask == 0).sum()) == 16
+    fc.weight_orig.grad = None
+    fc(torch.randn(5, 8)).pow(2).sum().backward()
+    p.update_scores()
+    assert torch.equal(p.scores["fc"], (fc.weight.detach() * fc.weight_orig.grad).abs())
+    assert int((p.scores["fc"][fc.weight_mask == 0] != 0).sum()) == 0

@@ -332,13 +332,18 @@ class Pruner:
                 b.mul_(orig, mask if mask.dtype == orig.dtype else mask.to(orig.dtype))
 
     def update_scores(self) -> None:
-        """Feed the criterion this step's weights and gradients (gradient criteria)."""
+        """Feed the criterion this step's weights and gradients (gradient criteria).
+
+        ``weight_orig`` is passed as the weight: it equals ``weight_orig * weight_mask``
+        wherever the mask is one, and where it is zero the gradient is zero too (the mask
+        multiplies it), so every score is the same -- without a weight-sized product per
+        layer and step (SNIP-momentum scores at every step)."""
         if not self.criterion.needs_grad:
             return
         with self._b.no_grad():
             for n, m in self.modules.items():
                 orig = mk.get_orig(m, self.weight_name)
-                self.criterion.update(n, mk.effective_weight(m, self.weight_name), orig.grad)
+                self.criterion.update(n, orig.detach(), orig.grad)
         self._scored_step = self.global_step
 
     def layer_scores(self, name: str, module: nn.Module) -> Tensor:
@@ -385,8 +390,9 @@ class Pruner:
                 keep = self.pattern.expand(~select_lowest(u, k), shape)
                 self._set_mask(n, keep)
         self.current_sparsity_ratio = sparsity
-        logger.debug("%s step %d: scheduled sparsity %.4f, reached %.4f", type(self).__name__, step,
-                     sparsity, self._group_sparsity())
+        if logger.isEnabledFor(logging.DEBUG):  # counting the zeros syncs with the device: only when logged
+            logger.debug("%s step %d: scheduled sparsity %.4f, reached %.4f", type(self).__name__, step,
+                         sparsity, self._group_sparsity())
 
     def _set_mask(self, name: str, keep: Tensor) -> None:
         module = self.modules[name]
