@@ -209,6 +209,22 @@ class Pattern:
             return n
         return n // self.group_size * self.max_pruned_per_group
 
+    def ranking(self, unit_scores: Tensor, already_pruned: Optional[Tensor] = None) -> Tensor:
+        """Unit scores for :func:`select_lowest`: ``-inf`` at ``already_pruned`` units (chosen
+        first, so a mask only loses ones), ``+inf`` where the group limits forbid pruning.
+
+        Example:
+            >>> import torch
+            >>> from prunekit.training.patterns import get_pattern
+            >>> get_pattern("2:4").ranking(torch.tensor([1., 2., 3., 4.]), torch.tensor([False, False, False, True]))
+            tensor([1., inf, inf, -inf])
+        """
+        b = _b(unit_scores)
+        u = unit_scores
+        if already_pruned is not None:
+            u = b.ns.where(already_pruned, b.ns.full_like(u, float("-inf")), u)
+        return b.ns.where(self.eligible(u), u, b.ns.full_like(u, float("inf")))
+
     def mask_from_scores(self, scores: Tensor, amount: int, pruned: Optional[Tensor] = None) -> Tensor:
         """Keep-mask (weight dtype of ``scores``) pruning ``amount`` lowest units.
 
@@ -225,12 +241,8 @@ class Pattern:
         if reason is not None:
             raise ValueError(f"pattern {self.name!r} does not fit a tensor of shape {tuple(scores.shape)}: {reason}")
         b = _b(scores)
-        u = self.unit_scores(scores)
-        if pruned is not None:
-            already = self.to_units(pruned.to(b.bool)).any(dim=1)
-            u = b.ns.where(already, b.ns.full_like(u, float("-inf")), u)
-        u = b.ns.where(self.eligible(u), u, b.ns.full_like(u, float("inf")))
-        keep = ~select_lowest(u, int(amount))
+        already = None if pruned is None else self.to_units(pruned.to(b.bool)).any(dim=1)
+        keep = ~select_lowest(self.ranking(self.unit_scores(scores), already), int(amount))
         return self.expand(keep, scores.shape).to(scores.dtype)
 
     def unit_pruned(self, mask: Tensor) -> Tensor:

@@ -62,8 +62,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_INF = float("inf")
-
 
 def _as_config(config: Any) -> PrunerConfig:
     if isinstance(config, PrunerConfig):
@@ -368,10 +366,8 @@ class Pruner:
                 m = self.modules[n]
                 mask = self.masks[n]
                 shape = tuple(mask.shape)
-                u = self.pattern.unit_scores(self.layer_scores(n, m).to(mask.device))
                 already = self.pattern.unit_pruned(mask)
-                u = b.ns.where(already, b.ns.full_like(u, -_INF), u)
-                u = b.ns.where(self.pattern.eligible(u), u, b.ns.full_like(u, _INF))
+                u = self.pattern.ranking(self.pattern.unit_scores(self.layer_scores(n, m).to(mask.device)), already)
                 l, h = self._unit_bounds(n, shape, int(already.sum()), min(scale, 1.0))
                 shapes.append(shape)
                 unit_scores.append(u)
