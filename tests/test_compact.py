@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import operator
 
 import pytest
 import torch
@@ -21,9 +22,11 @@ from prunekit.compact import (
     compaction_description,
     count_macs,
     count_params,
+    group_importance,
     load_compacted,
     prune_groups,
     register_handler,
+    zero_units,
 )
 from compact_models import MLP, DWSeparable, EncoderBlock, ResNetLike
 
@@ -327,3 +330,77 @@ def test_compact_keeps_original_and_training_flags():
     assert m.training and small.training
     assert m.layers[0].weight_orig.shape == (128, 64)
     assert small.layers[0].weight.shape == (64, 64)
+
+
+def _reference_l1(graph, group):
+    """Per-unit loop over every tensor the unit spans (the definition of the "l1" score)."""
+    scores = []
+    for unit in group.units:
+        s = 0.0
+        for (mname, sname), idx in unit.members.items():
+            module = graph.module(mname)
+            for e in graph.slots[(mname, sname)].spec.entries:
+                if e.role != "buffer":
+                    t = operator.attrgetter(e.path)(module).detach()
+                    s += float(t.index_select(e.axis, idx + e.offset).abs().sum())
+        scores.append(s)
+    return torch.tensor(scores)
+
+
+@pytest.mark.parametrize("make,x", [
+    (lambda: ResNetLike(widths=(8, 16, 16, 32)), torch.randn(1, 3, 32, 32)),
+    (lambda: EncoderBlock(), (torch.randint(0, 50, (2, 7)), torch.zeros(2, 7, dtype=torch.bool))),
+])
+def test_group_importance_matches_per_unit_reference(make, x):
+    m = make().eval()
+    g = build_dependency_graph(m, x)
+    assert g.prunable_groups()
+    for grp in g.prunable_groups():
+        assert torch.allclose(group_importance(g, grp, "l1"), _reference_l1(g, grp), rtol=1e-5)
+
+
+def test_shared_graph_gives_the_same_compacted_model():
+    x = torch.randn(1, 3, 32, 32)
+    make = lambda: ResNetLike(widths=(8, 16, 16, 32)).eval()
+    torch.manual_seed(0)
+    a = make()
+    torch.manual_seed(0)
+    b = make()
+    g = build_dependency_graph(b, x)
+    da = prune_groups(a, x, 0.5)
+    db = prune_groups(b, x, 0.5, graph=g)
+    assert [d.removed for d in da] == [d.removed for d in db]
+    small_a, small_b = compact(a, x), compact(b, x, graph=g)
+    assert prunekit.is_pruned(b)  # not inplace: b keeps its masks and shapes
+    assert [tuple(p.shape) for p in small_a.parameters()] == [tuple(p.shape) for p in small_b.parameters()]
+    assert compaction_description(small_a) == compaction_description(small_b)
+    with torch.no_grad():
+        assert torch.equal(small_a(x), small_b(x))
+
+
+def test_graph_for_another_or_changed_model_is_refused():
+    x = torch.randn(2, 64)
+    m, other = MLP(), MLP()
+    g = build_dependency_graph(m, x)
+    with pytest.raises(ValueError, match="another model"):
+        prune_groups(other, x, 0.5, graph=g)
+    with pytest.raises(ValueError, match="ignored_layers"):
+        prune_groups(m, x, 0.5, graph=g, ignored_layers=[m.layers[0]])
+    with pytest.raises(TypeError, match="DependencyGraph"):
+        compact(m, x, graph="g")
+    assert not prunekit.is_pruned(m)
+    prune_groups(m, x, 0.5, graph=g)
+    compact(m, x, graph=g, inplace=True)
+    with pytest.raises(ValueError, match=r"stale: slot 'out' of module 'layers.0' had 128 channels .* has 64 now"):
+        compact(m, x, graph=g)
+
+
+def test_zero_units_reports_units_zero_in_every_reader():
+    m = nn.Sequential(nn.Linear(8, 5), nn.ReLU(), nn.Linear(5, 3), nn.ReLU(), nn.Linear(3, 2))
+    with torch.no_grad():
+        m[2].weight[:, [0, 3]] = 0  # units 0 and 3 of the first group: read by nothing
+        m[0].weight[1] = 0  # unit 1: zero where it is produced, still read by m[2]
+        m[4].weight[:, 2] = 0
+    g = build_dependency_graph(m, torch.randn(1, 8))
+    assert [len(grp.units) for grp in g.groups if grp.prunable] == [5, 3]
+    assert zero_units(g) == {1: [0, 3], 2: [2]}  # group 0 (the model input) is not prunable

@@ -10,6 +10,7 @@ everywhere. :func:`~prunekit.compact.prune_groups` writes masks of exactly this 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -19,7 +20,7 @@ from torch import Tensor, nn
 
 from .._backend import require_torch
 from . import _masks
-from .graph import DependencyGraph, Group, Unit, build_dependency_graph
+from .graph import DependencyGraph, Group, build_dependency_graph, check_graph
 from .modules import REPLACEMENTS
 
 logger = logging.getLogger(__name__)
@@ -53,30 +54,52 @@ class _NonZero:
         return self.cache[key]
 
 
-def _unit_state(graph: DependencyGraph, unit: Unit, nz: _NonZero) -> Tuple[bool, bool]:
-    """(removable, partially zero): removable when every reader of the unit is zero."""
-    readers: List[bool] = []
-    others: List[bool] = []
-    for (mname, sname), idx in unit.members.items():
-        spec = graph.slots[(mname, sname)].spec
-        for e in spec.entries:
-            if e.role == "buffer":
-                continue
-            zero = not bool(nz(mname, e.path, e.axis)[idx + e.offset].any())
-            (readers if e.role == "in" else others).append(zero)
-    if readers:
-        return all(readers), any(readers) or any(others)
-    return bool(others) and all(others), any(others)
+def _unit_states(graph: DependencyGraph, group: Group, nz: _NonZero) -> Tuple[Tensor, Tensor]:
+    """Per unit of ``group``: (removable, partially zero), as bool tensors.
+
+    A unit is removable when it is zero in every tensor that reads it (role ``"in"``);
+    a unit no tensor reads (the query/key dims of a head) must be zero everywhere.
+    Every unit of a group spans the same tensors, so "has readers" is per group.
+    """
+    n = len(group.units)
+    readers_zero = torch.ones(n, dtype=torch.bool)
+    others_zero = torch.ones(n, dtype=torch.bool)
+    any_zero = torch.zeros(n, dtype=torch.bool)
+    has_readers = has_others = False
+    for mname, e, idx, unit_of in graph.entries(group):
+        nonzero = torch.zeros(n, dtype=torch.long).index_add_(0, unit_of, nz(mname, e.path, e.axis)[idx].long())
+        zero = nonzero == 0
+        any_zero |= zero
+        if e.role == "in":
+            readers_zero &= zero
+            has_readers = True
+        else:
+            others_zero &= zero
+            has_others = True
+    if has_readers:
+        return readers_zero, any_zero
+    return others_zero & has_others, any_zero
 
 
 def zero_units(graph: DependencyGraph) -> Dict[int, List[int]]:
-    """For each group index, the indices of its units that :func:`compact` would remove."""
+    """For each group index, the indices of its units that :func:`compact` would remove.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from prunekit.compact import build_dependency_graph, prune_groups, zero_units
+        >>> m = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
+        >>> with torch.no_grad():
+        ...     m[2].weight[:, 1] = 0
+        >>> zero_units(build_dependency_graph(m, torch.randn(1, 8)))
+        {1: [1]}
+    """
     nz = _NonZero(graph)
     out: Dict[int, List[int]] = {}
     for gi, g in enumerate(graph.groups):
         if not g.prunable:
             continue
-        idx = [ui for ui, u in enumerate(g.units) if _unit_state(graph, u, nz)[0]]
+        idx = _unit_states(graph, g, nz)[0].nonzero().view(-1).tolist()
         if idx:
             out[gi] = idx
     return out
@@ -184,7 +207,9 @@ def compact(
         ignored_layers: modules or names left exactly as they are (default: the final classifier).
         exact: see :func:`build_dependency_graph`.
         inplace: modify ``model`` itself instead of a deep copy.
-        graph: a graph already built for this model (only with ``inplace=True``).
+        graph: a :func:`build_dependency_graph` result for ``model`` to reuse instead of
+            tracing it again, e.g. the one passed to :func:`prune_groups` (its
+            ``ignored_layers``/``exact`` apply).
 
     Raises:
         ValueError: no whole channel is masked (e.g. only unstructured masks).
@@ -204,30 +229,30 @@ def compact(
     require_torch(model, "prunekit.compact")
     if not isinstance(model, nn.Module):
         raise TypeError(f"compact expects an nn.Module, got {type(model).__name__}")
-    if graph is not None and not inplace:
-        raise ValueError("compact(graph=...) needs inplace=True: the graph refers to the model's own modules")
+    if graph is not None:
+        check_graph(graph, model, ignored_layers)
     target = model if inplace else copy.deepcopy(model)
-    g = graph or build_dependency_graph(target, example_inputs, ignored_layers=ignored_layers, exact=exact)
+    if graph is None:
+        g = build_dependency_graph(target, example_inputs, ignored_layers=ignored_layers, exact=exact)
+    else:  # the graph names modules, so it describes the deep copy as well
+        g = graph if inplace else dataclasses.replace(graph, model=target)
     nz = _NonZero(g)
     removed: Dict[Tuple[str, str], List[Tensor]] = {}
-    n_whole = n_partial = 0
-    n_units = 0
+    n_whole = n_partial = n_units = 0
     for grp in g.groups:
-        states = [_unit_state(g, u, nz) for u in grp.units]
-        whole = [u for u, (ok, _) in zip(grp.units, states) if ok]
-        n_partial += sum(1 for ok, part in states if part and not ok)
+        whole, partial = _unit_states(g, grp, nz)
+        n_partial += int((partial & ~whole).sum())
         if not grp.prunable:
-            if whole:
-                logger.warning("compact: %d masked unit(s) left in place: %s", len(whole), grp.blocked)
+            if bool(whole.any()):
+                logger.warning("compact: %d masked unit(s) left in place: %s", int(whole.sum()), grp.blocked)
             continue
         n_units += len(grp.units)
-        if len(whole) == len(grp.units):
+        if bool(whole.all()):
             logger.warning("compact: every unit of %r is masked; keeping one so the layers stay valid", grp)
-            whole = whole[1:]
-        n_whole += len(whole)
-        for u in whole:
-            for key, idx in u.members.items():
-                removed.setdefault(key, []).append(idx)
+            whole[0] = False
+        n_whole += int(whole.sum())
+        for key, (idx, unit_of) in grp.member_index().items():
+            removed.setdefault(key, []).append(idx[whole[unit_of]])
     if n_whole == 0:
         n_masks, zeros, total = _mask_summary(target)
         if n_masks and zeros:
@@ -250,7 +275,9 @@ def compact(
         raise ValueError(msg)
     by_module: Dict[str, Dict[str, Tensor]] = {}
     for (mname, sname), parts in removed.items():
-        by_module.setdefault(mname, {})[sname] = torch.sort(torch.cat(parts)).values
+        idx = torch.cat(parts)
+        if idx.numel():
+            by_module.setdefault(mname, {})[sname] = torch.sort(idx).values
     desc = dict(getattr(target, _DESC_ATTR, None) or {"format": FORMAT, "modules": {}})
     desc["modules"] = dict(desc.get("modules", {}))
     for mname, rem in by_module.items():

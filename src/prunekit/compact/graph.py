@@ -57,7 +57,7 @@ import itertools
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -161,10 +161,28 @@ class Group:
     slots: Tuple[Tuple[str, str], ...]
     units: List[Unit]
     blocked: Optional[str] = None  # reason this group cannot be pruned, or None
+    _index: Optional[Dict[Tuple[str, str], Tuple[Tensor, Tensor]]] = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def prunable(self) -> bool:
         return self.blocked is None
+
+    def member_index(self) -> Dict[Tuple[str, str], Tuple[Tensor, Tensor]]:
+        """Per slot, every unit's indices at once: ``(indices, unit number of each index)``.
+
+        Lets per-unit sums and selections run as one ``index_add_``/mask per slot instead
+        of a Python loop over units (computed once, then cached; treat as read-only).
+        """
+        if self._index is None:
+            index: Dict[Tuple[str, str], Tuple[Tensor, Tensor]] = {}
+            for key in self.units[0].members if self.units else ():
+                parts = [u.members[key] for u in self.units]
+                counts = torch.tensor([int(p.numel()) for p in parts])
+                index[key] = (torch.cat(parts), torch.repeat_interleave(torch.arange(len(parts)), counts))
+            self._index = index
+        return self._index
 
     def __repr__(self) -> str:
         names = ", ".join(f"{m}.{s}" for m, s in self.slots[:6])
@@ -196,6 +214,14 @@ class DependencyGraph:
 
     def module(self, name: str) -> nn.Module:
         return self.model.get_submodule(name) if name else self.model
+
+    def entries(self, group: Group) -> Iterator[Tuple[str, Any, Tensor, Tensor]]:
+        """``(module name, Entry, tensor indices, unit number of each index)`` for every
+        weight/bias/norm tensor ``group`` spans (running-stat buffers are skipped)."""
+        for (mname, sname), (idx, unit_of) in group.member_index().items():
+            for e in self.slots[(mname, sname)].spec.entries:
+                if e.role != "buffer":
+                    yield mname, e, idx + e.offset if e.offset else idx, unit_of
 
 
 # ------------------------------------------------------------------ union-find
@@ -949,6 +975,39 @@ def build_dependency_graph(
         # blocked above); its input columns follow the layer before it.
         ignored = _default_final_layers(tracer)
     return _collect(tracer, tuple(ignored))
+
+
+def check_graph(graph: Any, model: nn.Module, ignored_layers: Optional[Sequence[Any]] = None) -> None:
+    """Raise unless ``graph`` was built for ``model`` as it is now (same module shapes).
+
+    ``ignored_layers`` must be None: a graph already fixes which layers are ignored.
+    """
+    if not isinstance(graph, DependencyGraph):
+        raise TypeError(f"graph must be a DependencyGraph from build_dependency_graph, got {type(graph).__name__}")
+    if graph.model is not model:
+        raise ValueError(
+            f"graph was built for another model ({type(graph.model).__name__} object at {id(graph.model):#x}); "
+            "build it for this one: build_dependency_graph(model, example_inputs)"
+        )
+    if ignored_layers is not None:
+        raise ValueError(
+            "pass ignored_layers to build_dependency_graph(model, x, ignored_layers=...), not together with graph=: "
+            f"the graph already ignores {list(graph.ignored)}"
+        )
+    sizes: Dict[str, Dict[str, Any]] = {}
+    for (mname, sname), info in graph.slots.items():
+        try:
+            if mname not in sizes:
+                sizes[mname] = graph.handlers[mname].slots(graph.module(mname))
+            now = sizes[mname][sname].size
+        except (AttributeError, KeyError):
+            now = None
+        if now != info.spec.size:
+            raise ValueError(
+                f"graph is stale: slot {sname!r} of module {mname!r} had {info.spec.size} channels when the graph "
+                f"was built and has {now} now (the model was compacted or edited since); rebuild it with "
+                "build_dependency_graph(model, example_inputs)"
+            )
 
 
 def _collect(tracer: Tracer, ignored: Tuple[str, ...]) -> DependencyGraph:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -23,6 +23,16 @@ def _per_index(t: Tensor, axis: int, kind: str, grad: Optional[Tensor]) -> Tenso
     else:  # taylor
         v = (t * grad).abs()
     return v.movedim(axis, 0).reshape(t.shape[axis], -1).sum(dim=1).float()
+
+
+def _taylor_grad(owner: torch.nn.Module, leaf: str, mname: str, path: str) -> Tensor:
+    grad = _masks.raw(owner, leaf).grad
+    if grad is None:
+        raise ValueError(
+            f"importance='taylor' needs gradients: '{mname}.{path}' has no .grad; "
+            "run loss.backward() on a batch before prune_groups"
+        )
+    return grad
 
 
 def group_importance(
@@ -52,31 +62,21 @@ def group_importance(
         raise ValueError(f"importance must be one of {IMPORTANCES} or a callable, got {importance!r}")
     if importance == "random":
         return torch.rand(n, generator=generator)
-    cache: Dict[Tuple[str, str, int], Tensor] = {}
     scores = torch.zeros(n)
-    for ui, unit in enumerate(group.units):
-        for (mname, sname), idx in unit.members.items():
-            spec = graph.slots[(mname, sname)].spec
-            for e in spec.entries:
-                if e.role == "buffer":
-                    continue
-                key = (mname, e.path, e.axis)
-                if key not in cache:
-                    owner, leaf = _masks.owner_of(graph.module(mname), e.path)
-                    t = _masks.effective(owner, leaf)
-                    grad = None
-                    if importance == "taylor":
-                        grad = _masks.raw(owner, leaf).grad
-                        if grad is None:
-                            raise ValueError(
-                                f"importance='taylor' needs gradients: '{mname}.{e.path}' has no .grad; "
-                                "run loss.backward() on a batch before prune_groups"
-                            )
-                    if callable(importance):
-                        cache[key] = importance(t, e.axis).float()
-                    else:
-                        cache[key] = _per_index(t, e.axis, importance, grad)
-                scores[ui] += cache[key][idx + e.offset].sum()
+    cache: Dict[Tuple[str, str, int], Tensor] = {}  # q/k/v slots share one tensor and axis
+    for mname, e, idx, unit_of in graph.entries(group):
+        key = (mname, e.path, e.axis)
+        per = cache.get(key)
+        if per is None:
+            owner, leaf = _masks.owner_of(graph.module(mname), e.path)
+            t = _masks.effective(owner, leaf)
+            if callable(importance):
+                per = importance(t, e.axis).float()
+            else:
+                grad = _taylor_grad(owner, leaf, mname, e.path) if importance == "taylor" else None
+                per = _per_index(t, e.axis, importance, grad)
+            cache[key] = per
+        scores.index_add_(0, unit_of, per[idx])
     if importance == "l2":
         scores = scores.sqrt()
     return scores

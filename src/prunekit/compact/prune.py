@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from .._backend import require_torch
 from . import _masks
-from .graph import DependencyGraph, Group, build_dependency_graph
+from .graph import DependencyGraph, Group, build_dependency_graph, check_graph
 from .importance import group_importance
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ def prune_groups(
     round_to: Optional[int] = None,
     exact: bool = True,
     generator: Optional[torch.Generator] = None,
+    graph: Optional[DependencyGraph] = None,
 ) -> List[GroupDecision]:
     """Mask the least important ``amount`` of every group of coupled channels/heads.
 
@@ -67,6 +68,9 @@ def prune_groups(
             ``amount`` of all units, scores normalized by each group's mean).
         ignored_layers: modules/names left alone (default: the final classifier).
         round_to: keep a multiple of this many channels per group (e.g. 8).
+        graph: a :func:`build_dependency_graph` result for ``model`` to reuse (its
+            ``ignored_layers``/``exact`` apply); pass the same graph to :func:`compact`
+            to trace the model once for both calls.
 
     Example:
         >>> import torch
@@ -86,7 +90,10 @@ def prune_groups(
         raise ValueError(f"scope must be 'local' or 'global', got {scope!r}")
     if round_to is not None and (not isinstance(round_to, int) or round_to < 1):
         raise ValueError(f"round_to must be a positive int or None, got {round_to!r}")
-    graph = build_dependency_graph(model, example_inputs, ignored_layers=ignored_layers, exact=exact)
+    if graph is None:
+        graph = build_dependency_graph(model, example_inputs, ignored_layers=ignored_layers, exact=exact)
+    else:
+        check_graph(graph, model, ignored_layers)
     groups = graph.prunable_groups()
     scores = [group_importance(graph, g, importance, generator) for g in groups]
     decisions: List[GroupDecision] = []
@@ -96,12 +103,10 @@ def prune_groups(
         norm = [s / (s.mean() + 1e-12) for s in scores]
         flat = torch.cat(norm) if norm else torch.empty(0)
         k = int(round(amount * flat.numel()))
-        counts = [0] * len(groups)
-        if k:
-            order = torch.argsort(flat, stable=True)[:k]
-            owner = torch.cat([torch.full((len(g.units),), i) for i, g in enumerate(groups)])
-            for i in owner[order].tolist():
-                counts[i] += 1
+        sizes = torch.tensor([len(g.units) for g in groups], dtype=torch.long)
+        owner = torch.repeat_interleave(torch.arange(len(groups)), sizes)
+        lowest = torch.argsort(flat, stable=True)[:k]
+        counts = torch.bincount(owner[lowest], minlength=len(groups)).tolist()
     for g, s, c in zip(groups, scores, counts):
         n = len(g.units)
         keep = _keep_count(n, c, g.units[0].width(), round_to)
@@ -112,20 +117,20 @@ def prune_groups(
 
 
 def _write_masks(graph: DependencyGraph, decisions: List[GroupDecision]) -> None:
-    masks: Dict[Tuple[str, str], Tensor] = {}
+    """Zero every removed unit in every tensor it spans: one ``index_fill_`` per tensor axis."""
+    gone: Dict[Tuple[str, str], Dict[int, List[Tensor]]] = {}
     for d in decisions:
-        for ui in d.removed:
-            for (mname, sname), idx in d.group.units[ui].members.items():
-                spec = graph.slots[(mname, sname)].spec
-                for e in spec.entries:
-                    if e.role == "buffer":
-                        continue
-                    key = (mname, e.path)
-                    if key not in masks:
-                        owner, leaf = _masks.owner_of(graph.module(mname), e.path)
-                        masks[key] = torch.ones_like(_masks.raw(owner, leaf).detach())
-                    masks[key].index_fill_(e.axis, idx + e.offset, 0)
-    for (mname, path), mask in masks.items():
+        if not d.removed:
+            continue
+        removed = torch.zeros(d.total, dtype=torch.bool)
+        removed[d.removed] = True
+        for mname, e, idx, unit_of in graph.entries(d.group):
+            gone.setdefault((mname, e.path), {}).setdefault(e.axis, []).append(idx[removed[unit_of]])
+    for (mname, path), axes in gone.items():
         owner, leaf = _masks.owner_of(graph.module(mname), path)
+        mask = torch.ones_like(_masks.raw(owner, leaf).detach())
+        for axis, parts in axes.items():
+            mask.index_fill_(axis, torch.cat(parts), 0)
         _masks.apply_mask(owner, leaf, mask)
-    logger.info("prune_groups: masked %d units in %d tensors", sum(len(d.removed) for d in decisions), len(masks))
+    n_units = sum(len(d.removed) for d in decisions)
+    logger.info("prune_groups: masked %d units in %d tensors", n_units, len(gone))
