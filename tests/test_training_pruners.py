@@ -611,3 +611,23 @@ def test_gradient_scores_equal_those_of_the_masked_weight():
     p.update_scores()
     assert torch.equal(p.scores["fc"], (fc.weight.detach() * fc.weight_orig.grad).abs())
     assert int((p.scores["fc"][fc.weight_mask == 0] != 0).sum()) == 0
+
+
+def test_failed_set_up_after_the_masks_leaves_the_modules_as_they_were(monkeypatch):
+    import prunekit.training.pruners as pruners_mod
+
+    torch.manual_seed(0)
+    fc, already = nn.Linear(8, 4), nn.Linear(8, 4)
+    prunekit.l1_unstructured(already, "weight", amount=0.25)
+    w, mask = fc.weight.detach().clone(), already.weight_mask.clone()
+    param = fc.weight
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("scheduler failed")
+
+    monkeypatch.setattr(pruners_mod, "get_scheduler", broken)
+    with pytest.raises(RuntimeError, match="scheduler failed"):
+        MagnitudePruner({"fc": fc, "already": already},
+                        {"prune_type": "magnitude", "pattern": "1x1", "target_sparsity": 0.5})
+    assert not prunekit.is_pruned(fc) and fc.weight is param and torch.equal(fc.weight, w)
+    assert torch.equal(already.weight_mask, mask)  # a mask the module had before stays

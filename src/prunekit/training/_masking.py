@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from .._backend import TORCH, backend_of, is_tensor
 
-__all__ = ["is_reparametrized", "ensure_mask", "get_orig", "get_mask", "effective_weight", "clear_optimizer_state"]
+__all__ = ["is_reparametrized", "ensure_mask", "get_orig", "get_mask", "drop_masks", "effective_weight", "clear_optimizer_state"]
 
 
 def _custom_from_mask():
@@ -54,6 +54,22 @@ def ensure_mask(module: nn.Module, name: str = "weight", init: Optional[Tensor] 
     mask = b.ns.ones_like(w) if init is None else init.to(device=w.device, dtype=w.dtype)
     _custom_from_mask()(module, name, mask=mask)
     return get_mask(module, name)
+
+
+def drop_masks(modules: Iterable[nn.Module], name: str = "weight") -> None:
+    """Undo :func:`ensure_mask` on ``modules`` that carry a mask: ``name`` becomes the plain
+    Parameter again, holding the values of ``name_orig`` (what it held before the mask)."""
+    from prunekit import remove
+
+    for m in modules:
+        if not is_reparametrized(m, name):
+            continue
+        b = backend_of(m) or TORCH
+        with b.no_grad():
+            orig = get_orig(m, name).detach().clone()
+        remove(m, name)
+        with b.no_grad():
+            getattr(m, name).copy_(orig)
 
 
 def effective_weight(module: nn.Module, name: str = "weight") -> Tensor:

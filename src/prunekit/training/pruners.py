@@ -179,22 +179,27 @@ class Pruner:
         # check that the target is reachable before touching any module
         initial = {n: self._initial_mask(n, m) for n, m in self.modules.items()}
         self._check_target(initial)
-        self.masks: Dict[str, Tensor] = {
-            n: mk.ensure_mask(m, self.weight_name, initial[n]) for n, m in self.modules.items()
-        }
-        self.initial_sparsity = self._group_sparsity()
-        self.current_sparsity_ratio = self.initial_sparsity
-        if not self.adds_zeros:
-            self.target_sparsity_ratio = self.initial_sparsity
-        elif self.modules and self.initial_sparsity > self.target_sparsity_ratio + 1e-12:
-            logger.warning(
-                "layers already at sparsity %.4f, above target_sparsity=%s; masks only lose ones, so they stay",
-                self.initial_sparsity, self.target_sparsity_ratio,
+        created = [m for m in self.modules.values() if not mk.is_reparametrized(m, self.weight_name)]
+        try:
+            self.masks: Dict[str, Tensor] = {
+                n: mk.ensure_mask(m, self.weight_name, initial[n]) for n, m in self.modules.items()
+            }
+            self.initial_sparsity = self._group_sparsity()
+            self.current_sparsity_ratio = self.initial_sparsity
+            if not self.adds_zeros:
+                self.target_sparsity_ratio = self.initial_sparsity
+            elif self.modules and self.initial_sparsity > self.target_sparsity_ratio + 1e-12:
+                logger.warning(
+                    "layers already at sparsity %.4f, above target_sparsity=%s; masks only lose ones, so they stay",
+                    self.initial_sparsity, self.target_sparsity_ratio,
+                )
+            self.scheduler: Scheduler = get_scheduler(
+                self.start_step, self.end_step, self.target_sparsity_ratio, self.config.sparsity_decay_type,
+                self.update_frequency_on_step, initial_sparsity=min(self.initial_sparsity, self.target_sparsity_ratio),
             )
-        self.scheduler: Scheduler = get_scheduler(
-            self.start_step, self.end_step, self.target_sparsity_ratio, self.config.sparsity_decay_type,
-            self.update_frequency_on_step, initial_sparsity=min(self.initial_sparsity, self.target_sparsity_ratio),
-        )
+        except Exception:
+            mk.drop_masks(created, self.weight_name)  # a failed set-up leaves the modules as they were
+            raise
 
     # ------------------------------------------------------------------ set-up helpers
     def make_criterion(self) -> Criterion:

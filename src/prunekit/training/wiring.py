@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Mapping, Optional
 from torch import nn
 
 from .._backend import TORCH, FrameworkMismatchError, backend_of, is_module, optimizer_backend
+from . import _masking as mk
 from .config import PruningConfig, load_config
 from .pruners import Pruner, get_pruner, select_modules
 from .report import SparsityReport, sparsity_report
@@ -249,9 +250,7 @@ def prepare_pruning(model: nn.Module, config: Any = None,
             logger.warning("%s selects no module of the model", pc.where)
         selections.append(sel)
     pruners: List[Pruner] = []
-    # build every pruner's checks first, so that a failure leaves the model untouched
-    from . import _masking as mk
-
+    # on a failure, remove the masks of the pruners built so far: the model is left untouched
     before = {n: mk.is_reparametrized(m) for n, m in model.named_modules()}
     try:
         for sel, pc in zip(selections, cfg.pruners):
@@ -267,15 +266,5 @@ def prepare_pruning(model: nn.Module, config: Any = None,
 
 
 def _undo(model: nn.Module, before: Mapping[str, bool]) -> None:
-    """Remove reparameterizations added by a failed ``prepare_pruning``."""
-    from . import _masking as mk
-
-    from prunekit import remove
-    b = backend_of(model) or TORCH
-    for n, m in model.named_modules():
-        if not before.get(n, False) and mk.is_reparametrized(m):
-            with b.no_grad():
-                orig = mk.get_orig(m).detach().clone()
-            remove(m, "weight")
-            with b.no_grad():
-                m.weight.copy_(orig)
+    """Remove the weight reparameterizations a failed ``prepare_pruning`` added."""
+    mk.drop_masks(m for n, m in model.named_modules() if not before.get(n, False))
