@@ -105,10 +105,13 @@ class PruningCallbacks:
             p.mask_weights()
 
     def step(self) -> None:
-        """One whole step for loops that call nothing else: before/after optimizer and step end.
+        """The pruning part of one step, for a loop whose optimizer is not wired.
 
-        Call it *instead of* nothing else, right after ``optimizer.step()``
-        only when the optimizer is not wired and gradients are still present.
+        Call it right after ``optimizer.step()``, while the gradients are still
+        there: it runs ``on_before_optimizer_step``, ``on_after_optimizer_step``
+        and ``on_step_end``. (Gradient criteria then score the weights after the
+        update; call the callbacks around ``optimizer.step()`` yourself to score
+        them before.) A wired optimizer does all this by itself -- do not call it then.
         """
         self.on_before_optimizer_step()
         self.on_after_optimizer_step()
