@@ -99,12 +99,16 @@ def test_quantized_model_of_compressed_checkpoint(tmp_path):
     assert all(torch.equal(x.int_repr(), y.int_repr()) for x, y in zip(a, b))
 
 
-@pytest.mark.xfail(reason="quantize_dynamic matches modules by exact type; a layer that still carries its "
-                          "pruning reparameterization is a per-instance subclass and stays float. "
-                          "Call prunekit.remove first.", strict=False)
-def test_layer_still_carrying_reparameterization_is_quantized():
+def test_layer_still_carrying_reparameterization_stays_float_until_removed():
+    # quantize_dynamic matches modules by exact type; a layer that still carries its pruning
+    # reparameterization is a per-instance subclass, so it is left float (and still pruned).
+    # prunekit.remove first makes it a plain Linear, which is quantized.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32))
     prunekit.l1_unstructured(model[0], "weight", amount=0.9)
     qmodel = quantize(model)
-    assert len(quantized_weights(qmodel)) == 1
+    assert quantized_weights(qmodel) == [] and prunekit.is_pruned(qmodel[0])
+    prunekit.remove(model[0], "weight")
+    qweights = quantized_weights(quantize(model))
+    assert len(qweights) == 1 and qweights[0].dtype == torch.qint8
+    assert int((qweights[0].dequantize() == 0).sum()) >= int(0.9 * 64 * 32)
