@@ -48,7 +48,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _FORMATS = ("auto", "csr", "2:4")
-# (format, kind, shape, sparsity, rows, dtype, device, threads) -> (dense_s, sparse_s)
+# (format, kind, shape, conv stride/padding/dilation, sparsity, input shape, dtype, device, threads)
+# -> (dense_s, sparse_s); see the key built in _decide
 _DECISION_CACHE: Dict[Tuple[Any, ...], Tuple[float, float]] = {}
 
 
