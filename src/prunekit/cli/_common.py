@@ -134,25 +134,62 @@ def load_factory(spec: str, kwargs_json: Optional[str] = None) -> Any:
     return model
 
 
+def read_state_dict(path: str, trust_pickle: bool, what: str = "weights file") -> Tuple[Dict[str, Any], str]:
+    """Read a checkpoint file (state dict, pruned, compressed, safetensors); returns ``(tensors, kind)``."""
+    from prunekit.report import UnsafeCheckpointError, read_checkpoint
+
+    existing_file(path, what)
+    try:
+        return read_checkpoint(path, trust_pickle=trust_pickle)
+    except UnsafeCheckpointError as e:
+        raise CliError(str(e)) from None
+    except (ValueError, OSError) as e:
+        raise CliError(_why(path, e)) from None
+
+
 def load_weights(model: Any, path: Optional[str], trust_pickle: bool) -> Optional[str]:
     """Load a weights file into ``model`` (dense or pruned, either way); returns the file's kind."""
     if path is None:
         return None
     import prunekit
-    from prunekit.report import UnsafeCheckpointError, read_checkpoint
 
-    existing_file(path, "weights file")
-    try:
-        sd, kind = read_checkpoint(path, trust_pickle=trust_pickle)
-    except UnsafeCheckpointError as e:
-        raise CliError(str(e)) from None
-    except (ValueError, OSError) as e:
-        raise CliError(_why(path, e)) from None
+    sd, kind = read_state_dict(path, trust_pickle)
     try:
         prunekit.load_state_dict(model, sd)
     except (ValueError, RuntimeError, TypeError) as e:
-        raise CliError(f"weights {path} do not fit the model: {_first_line(e)}") from None
+        raise CliError(f"weights {path} do not fit the model: {first_line(e)}") from None
     return kind
+
+
+def add_model_args(p: argparse.ArgumentParser, weights_required: bool = False) -> None:
+    """``--model``, ``--model-kwargs``, ``--weights``, ``--trust-pickle``, ``--json``: read by :func:`load_model`."""
+    p.add_argument("--model", required=True, metavar="FACTORY",
+                   help="function building the model: package.module:function or path/to/file.py:function")
+    p.add_argument("--model-kwargs", metavar="JSON", help="keyword arguments for the factory, as a JSON object")
+    p.add_argument("--weights", required=weights_required, metavar="FILE",
+                   help="weights: .safetensors (plain or prunekit compressed) or a .pt state dict")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="allow full unpickling of a .pt file torch.load(weights_only=True) refuses (runs code!)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def load_model(args: argparse.Namespace) -> Tuple[Any, Optional[str]]:
+    """The model from ``--model``/``--model-kwargs`` with ``--weights`` loaded; returns ``(model, weights kind)``."""
+    model = load_factory(args.model, args.model_kwargs)
+    return model, load_weights(model, args.weights, args.trust_pickle)
+
+
+def run_example(model: Any, shape: Sequence[int]) -> Tuple[Any, Any]:
+    """Put ``model`` in eval mode and run it on a seeded random input of ``shape``; returns ``(input, output)``."""
+    import torch
+
+    model.eval()
+    x = example_input(shape)
+    try:
+        with torch.no_grad():
+            return x, model(x)
+    except Exception as e:
+        raise CliError(f"the model does not run on an input of shape {list(shape)}: {first_line(e)}") from None
 
 
 def example_input(shape: Sequence[int]) -> Any:
@@ -162,17 +199,15 @@ def example_input(shape: Sequence[int]) -> Any:
     return torch.randn(*shape, generator=g)
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type name when the message is empty)."""
     text = str(e).strip() or type(e).__name__
     return text.splitlines()[0]
 
 
-first_line = _first_line
-
-
 def _why(path: str, e: BaseException) -> str:
     """One line saying why ``path`` could not be read (the path named once)."""
-    msg = _first_line(e)
+    msg = first_line(e)
     return msg if msg.startswith(str(path)) else f"cannot read {path}: {msg}"
 
 

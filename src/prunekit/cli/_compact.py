@@ -8,19 +8,18 @@ from typing import Any
 
 from ._common import (
     CliError,
+    add_model_args,
     emit_json,
-    example_input,
     first_line,
     human_bytes,
     human_count,
-    load_factory,
-    load_weights,
+    load_model,
     print_table,
+    run_example,
     say,
     shape_type,
     writable_path,
 )
-from ._prune import add_common_model_args
 
 _EPILOG = """\
 examples:
@@ -40,7 +39,7 @@ def add_parser(sub: Any) -> None:
                        description="Prune whole channels (or use the masks in --weights) and rebuild the model with "
                                    "smaller dense layers; report parameters and MACs before and after.",
                        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_model_args(p)
+    add_model_args(p)
     p.add_argument("--input-shape", type=shape_type, required=True, metavar="SHAPE",
                    help="shape of an example input to trace the model with, e.g. 1,3,32,32")
     p.add_argument("--amount", type=float, help="fraction of channels to remove per group, in [0, 1)")
@@ -63,15 +62,8 @@ def run(args: argparse.Namespace) -> int:
     writable_path(args.out, "--out")
     if args.amount is not None and not 0.0 <= args.amount < 1.0:
         raise CliError(f"--amount {args.amount} is out of range; write the fraction of channels to remove, in [0, 1)")
-    model = load_factory(args.model, args.model_kwargs)
-    load_weights(model, args.weights, args.trust_pickle)
-    model.eval()
-    x = example_input(args.input_shape)
-    try:
-        with torch.no_grad():
-            model(x)
-    except Exception as e:
-        raise CliError(f"the model does not run on an input of shape {list(args.input_shape)}: {first_line(e)}") from None
+    model, _ = load_model(args)
+    x, _ = run_example(model, args.input_shape)
     params_before = count_params(model)
     macs_before = count_macs(model, x)
     graph = None

@@ -6,7 +6,7 @@ import argparse
 import importlib.util
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from ._common import CliError, console, emit_json, human_bytes, human_count, positive_int, print_table, say
 

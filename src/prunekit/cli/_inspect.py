@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import Any
 
-from ._common import CliError, _why, emit_json, existing_file, human_bytes, print_report
+from ._common import CliError, emit_json, human_bytes, print_report, read_state_dict
 
 _EPILOG = """\
 examples:
@@ -34,15 +34,10 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prunekit.report import UnsafeCheckpointError, model_report, read_checkpoint
+    from prunekit.report import model_report
 
-    path = existing_file(args.checkpoint, "checkpoint")
-    try:
-        sd, kind = read_checkpoint(path, trust_pickle=args.trust_pickle)
-    except UnsafeCheckpointError as e:
-        raise CliError(str(e)) from None
-    except (ValueError, OSError) as e:
-        raise CliError(_why(path, e)) from None
+    path = args.checkpoint
+    sd, kind = read_state_dict(path, args.trust_pickle, "checkpoint")
     if not sd:
         raise CliError(f"{path} holds no tensors")
     report = model_report(sd)

@@ -10,13 +10,13 @@ from typing import Any, Dict, List, Tuple
 
 from ._common import (
     CliError,
+    add_model_args,
     amount_type,
     emit_json,
     existing_file,
     first_line,
     human_bytes,
-    load_factory,
-    load_weights,
+    load_model,
     print_report,
     say,
     writable_path,
@@ -50,23 +50,12 @@ Weights are read with torch.load(weights_only=True) or safetensors; --trust-pick
 """
 
 
-def add_common_model_args(p: argparse.ArgumentParser, weights_required: bool = False) -> None:
-    p.add_argument("--model", required=True, metavar="FACTORY",
-                   help="function building the model: package.module:function or path/to/file.py:function")
-    p.add_argument("--model-kwargs", metavar="JSON", help="keyword arguments for the factory, as a JSON object")
-    p.add_argument("--weights", required=weights_required, metavar="FILE",
-                   help="weights: .safetensors (plain or prunekit compressed) or a .pt state dict")
-    p.add_argument("--trust-pickle", action="store_true",
-                   help="allow full unpickling of a .pt file torch.load(weights_only=True) refuses (runs code!)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-
-
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("prune", help="prune a model by a method, pattern or config; write a compressed checkpoint",
                        description="Prune a model built by a Python factory, loaded with a weights file, and write "
                                    "a compressed checkpoint plus a sparsity report.",
                        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_model_args(p)
+    add_model_args(p)
     how = p.add_mutually_exclusive_group()
     how.add_argument("--method", choices=METHODS, help="pruning method (default global_magnitude)")
     how.add_argument("--pattern", help="a prunekit.training pattern: 1x1, 4x1, 2:4, channelx1, 1xchannel, ...")
@@ -201,8 +190,7 @@ def run(args: argparse.Namespace) -> int:
         writable_path(args.report, "--report")
     if args.method and args.amount is None:
         raise CliError(f"--method {args.method} needs --amount (the fraction to prune, e.g. 0.5)")
-    model = load_factory(args.model, args.model_kwargs)
-    kind = load_weights(model, args.weights, args.trust_pickle)
+    model, kind = load_model(args)
     what = _prune(model, args)
     report = model_report(model)
     state = prunekit.dense_state_dict(model) if args.bake else model

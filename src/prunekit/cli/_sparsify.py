@@ -10,18 +10,16 @@ from typing import Any, Dict, List
 
 from ._common import (
     CliError,
+    add_model_args,
     emit_json,
-    example_input,
-    first_line,
-    load_factory,
-    load_weights,
+    load_model,
     pct,
     print_table,
+    run_example,
     say,
     shape_type,
     writable_path,
 )
-from ._prune import add_common_model_args
 
 _EPILOG = """\
 examples:
@@ -41,7 +39,7 @@ def add_parser(sub: Any) -> None:
                        description="Measure which pruned layers run faster on sparse kernels and report the model's "
                                    "latency before and after conversion.",
                        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_model_args(p, weights_required=True)
+    add_model_args(p, weights_required=True)
     p.add_argument("--input-shape", type=shape_type, required=True, metavar="SHAPE",
                    help="shape of the inputs to measure with, e.g. 8,784 or 1,3,32,32")
     p.add_argument("--format", default="auto", choices=("auto", "csr", "2:4"), help="sparse format (default auto)")
@@ -80,15 +78,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--min-sparsity {args.min_sparsity} is out of range; write a fraction in [0, 1]")
     if not args.min_speedup > 0:
         raise CliError(f"--min-speedup {args.min_speedup} must be positive")
-    model = load_factory(args.model, args.model_kwargs)
-    load_weights(model, args.weights, args.trust_pickle)
-    model.eval()
-    x = example_input(args.input_shape)
-    try:
-        with torch.no_grad():
-            expected = model(x)
-    except Exception as e:
-        raise CliError(f"the model does not run on an input of shape {list(args.input_shape)}: {first_line(e)}") from None
+    model, _ = load_model(args)
+    x, expected = run_example(model, args.input_shape)
     dense = copy.deepcopy(model)
     rep = sparsify_for_inference(model, example_inputs=x, format=args.format, min_sparsity=args.min_sparsity,
                                  min_speedup=args.min_speedup, measure=not args.no_measure)
