@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -252,11 +253,7 @@ def _latencies(models: Dict[str, nn.Module], x: Tensor, repeats: int) -> Dict[st
             t0 = time.perf_counter()
             m(x)
             times[k].append((time.perf_counter() - t0) * 1e3)
-    out = {}
-    for k, ts in times.items():
-        ts.sort()
-        out[k] = ts[len(ts) // 2] if len(ts) % 2 else 0.5 * (ts[len(ts) // 2 - 1] + ts[len(ts) // 2])
-    return out
+    return {k: statistics.median(ts) for k, ts in times.items()}
 
 
 # ----------------------------------------------------------------------------- the demo

@@ -1,24 +1,11 @@
-"""Reading and writing masks through the pruning API (prunekit, or torch.nn.utils.prune)."""
+"""Reading and writing masks through prunekit's pruning API (models pruned by torch.nn.utils.prune are read too)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, Tuple
+from typing import Iterator, Tuple
 
-import torch
 import torch.nn.utils.prune as torch_prune
 from torch import Tensor, nn
-
-
-def api() -> Any:
-    """prunekit's pruning API when it is importable, else ``torch.nn.utils.prune`` (same names)."""
-    try:
-        import prunekit
-
-        if hasattr(prunekit, "custom_from_mask") and hasattr(prunekit, "remove"):
-            return prunekit
-    except ImportError:  # pragma: no cover - prunekit is this package
-        pass
-    return torch_prune
 
 
 def owner_of(module: nn.Module, path: str) -> Tuple[nn.Module, str]:
@@ -45,17 +32,17 @@ def raw(owner: nn.Module, name: str) -> Tensor:
 
 
 def apply_mask(owner: nn.Module, name: str, mask: Tensor) -> None:
-    api().custom_from_mask(owner, name, mask)
+    import prunekit  # late: prunekit imports this package
+
+    prunekit.custom_from_mask(owner, name, mask)
 
 
 def _torch_hook(owner: nn.Module, name: str) -> bool:
-    for hook in owner._forward_pre_hooks.values():
-        if isinstance(hook, torch_prune.BasePruningMethod):
-            if getattr(hook, "_tensor_name", None) == name:
-                return True
-            if isinstance(hook, torch_prune.PruningContainer) and getattr(hook, "_tensor_name", None) == name:
-                return True
-    return False
+    """Whether ``name`` is pruned by ``torch.nn.utils.prune`` (its hooks; PruningContainer included)."""
+    return any(
+        isinstance(hook, torch_prune.BasePruningMethod) and getattr(hook, "_tensor_name", None) == name
+        for hook in owner._forward_pre_hooks.values()
+    )
 
 
 def bake(owner: nn.Module, name: str) -> Tensor:
@@ -64,11 +51,14 @@ def bake(owner: nn.Module, name: str) -> Tensor:
     if _torch_hook(owner, name):
         torch_prune.remove(owner, name)
     else:
-        api().remove(owner, name)
+        import prunekit
+
+        prunekit.remove(owner, name)
     return mask
 
 
 def iter_masks(model: nn.Module) -> Iterator[Tuple[str, nn.Module, str]]:
+    """``(module name, module, tensor name)`` for every ``name_orig``/``name_mask`` pair, whoever pruned it."""
     for mname, m in model.named_modules():
         for bname, _ in list(m.named_buffers(recurse=False)):
             if bname.endswith("_mask") and hasattr(m, bname[: -len("_mask")] + "_orig"):

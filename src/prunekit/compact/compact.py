@@ -136,12 +136,8 @@ def _shrink_module(model: nn.Module, mname: str, handler: Any, removed: Dict[str
             drop.setdefault(e.path, {}).setdefault(e.axis, []).append(idx + e.offset)
     # bake every mask under this module, remembering it
     masks: Dict[str, Tensor] = {}
-    for sub_name, sub in module.named_modules():
-        for bname, _ in list(sub.named_buffers(recurse=False)):
-            name = bname[: -len("_mask")] if bname.endswith("_mask") else None
-            if name and hasattr(sub, name + "_orig"):
-                path = f"{sub_name}.{name}" if sub_name else name
-                masks[path] = _masks.bake(sub, name)
+    for sub_name, sub, name in list(_masks.iter_masks(module)):
+        masks[f"{sub_name}.{name}" if sub_name else name] = _masks.bake(sub, name)
     replacement = handler.convert(module, sizes)
     if replacement is not None:
         parent, leaf = _masks.owner_of(model, mname)
