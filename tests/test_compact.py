@@ -404,3 +404,16 @@ def test_zero_units_reports_units_zero_in_every_reader():
     g = build_dependency_graph(m, torch.randn(1, 8))
     assert [len(grp.units) for grp in g.groups if grp.prunable] == [5, 3]
     assert zero_units(g) == {1: [0, 3], 2: [2]}  # group 0 (the model input) is not prunable
+
+
+def test_rebuild_with_an_unknown_module_leaves_the_model_unchanged():
+    x = torch.randn(2, 64)
+    m = MLP()
+    prune_groups(m, x, 0.5)
+    desc = compaction_description(compact(m, x))
+    desc["modules"]["nope"] = {"tensors": {}, "attrs": {}}
+    fresh = MLP()
+    before = {k: v.shape for k, v in fresh.state_dict().items()}
+    with pytest.raises(ValueError, match="names module 'nope'"):
+        load_compacted(fresh, {}, desc)
+    assert {k: v.shape for k, v in fresh.state_dict().items()} == before

@@ -312,19 +312,32 @@ def rebuild_from_description(model: nn.Module, description: Dict[str, Any]) -> n
     """Reshape a freshly built original model (in place) to a compacted model's shapes.
 
     Only classes in :data:`prunekit.compact.modules.REPLACEMENTS` are ever instantiated:
-    no code is unpickled or imported by name.
+    no code is unpickled or imported by name. Every module name and class is checked
+    before anything changes, so a description that does not fit leaves ``model`` as it was.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from prunekit.compact import prune_groups, compact, compaction_description, rebuild_from_description
+        >>> make = lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        >>> m = make(); x = torch.randn(2, 8); _ = prune_groups(m, x, 0.5)
+        >>> rebuild_from_description(make(), compaction_description(compact(m, x)))[2].weight.shape
+        torch.Size([4, 8])
     """
     if not isinstance(description, dict) or description.get("format") != FORMAT:
         raise ValueError(f"not a compaction description (expected format {FORMAT!r}, got {description.get('format') if isinstance(description, dict) else type(description).__name__!r})")
     for mname, entry in description["modules"].items():
         try:
-            module = model.get_submodule(mname) if mname else model
+            model.get_submodule(mname) if mname else model
         except AttributeError:
             raise ValueError(f"the description names module {mname!r}, which {type(model).__name__} does not have; build the same model class as the one compacted") from None
         cls_name = entry.get("class")
+        if cls_name and cls_name not in REPLACEMENTS:
+            raise ValueError(f"description asks for class {cls_name!r} for module {mname!r}; only {sorted(REPLACEMENTS)} are allowed")
+    for mname, entry in description["modules"].items():
+        module = model.get_submodule(mname) if mname else model
+        cls_name = entry.get("class")
         if cls_name:
-            if cls_name not in REPLACEMENTS:
-                raise ValueError(f"description asks for class {cls_name!r}; only {sorted(REPLACEMENTS)} are allowed")
             new = REPLACEMENTS[cls_name](**entry["init"])
             parent, leaf = _masks.owner_of(model, mname)
             setattr(parent, leaf, new)
@@ -365,5 +378,17 @@ def load_compacted(model: nn.Module, state_dict: Dict[str, Tensor], description:
 
 
 def save_compacted(model: nn.Module, path: Any) -> None:
-    """Save a plain state dict plus the description (loadable with ``torch.load(weights_only=True)``)."""
+    """Save a plain state dict plus the description (loadable with ``torch.load(weights_only=True)``).
+
+    Example:
+        >>> import io, torch
+        >>> from torch import nn
+        >>> from prunekit.compact import prune_groups, compact, save_compacted, load_compacted
+        >>> make = lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        >>> m = make(); x = torch.randn(2, 8); _ = prune_groups(m, x, 0.5); small = compact(m, x)
+        >>> buf = io.BytesIO(); save_compacted(small, buf); _ = buf.seek(0)
+        >>> saved = torch.load(buf, weights_only=True)
+        >>> torch.equal(load_compacted(make(), saved["state_dict"], saved["description"])(x), small(x))
+        True
+    """
     torch.save({"state_dict": model.state_dict(), "description": compaction_description(model)}, path)
