@@ -12,6 +12,7 @@ from typing import Any, Iterable, Optional
 from torch import Tensor, nn
 
 from .._backend import TORCH, backend_of, is_tensor
+from ..reparam import masked_product
 
 __all__ = ["is_reparametrized", "ensure_mask", "get_orig", "get_mask", "drop_masks", "effective_weight", "clear_optimizer_state"]
 
@@ -74,9 +75,7 @@ def drop_masks(modules: Iterable[nn.Module], name: str = "weight") -> None:
 
 def effective_weight(module: nn.Module, name: str = "weight") -> Tensor:
     """``name_orig * name_mask`` detached (the weight the forward pass uses)."""
-    orig = get_orig(module, name).detach()
-    mask = get_mask(module, name)
-    return orig * (mask if mask.dtype == orig.dtype else mask.to(orig.dtype))
+    return masked_product(get_orig(module, name).detach(), get_mask(module, name))
 
 
 def clear_optimizer_state(optimizers: Iterable[Any], param: Tensor, keep: Tensor) -> int:
