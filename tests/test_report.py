@@ -92,6 +92,42 @@ def test_pattern_figures_match_a_brute_force_count(o, i, p, seed):
     assert e.zero_channels == int((w == 0).all(dim=1).sum())
 
 
+def _brute_conv(w: torch.Tensor):
+    """2:4 fit and 4x1 block share of a conv weight, counted one kernel position at a time."""
+    o, i, kh, kw = w.shape
+    fits = groups = blocks = zero = 0
+    for y in range(kh):
+        for x in range(kw):
+            f, z = _brute(w[:, :, y, x])
+            groups += o * i // 4
+            fits += round(f * (o * i // 4))
+            blocks += (o // 4) * i
+            zero += round(z * (o // 4) * i)
+    return fits / groups, zero / blocks
+
+
+@settings(max_examples=15, deadline=None)
+@given(o=st.sampled_from([4, 8]), i=st.sampled_from([4, 8]), k=st.sampled_from([(1, 1), (2, 3), (3, 3)]),
+       p=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
+def test_conv_pattern_figures_match_a_per_kernel_position_count(o, i, k, p, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(o, i, *k, generator=g) * (torch.rand(o, i, *k, generator=g) >= p)
+    e = model_report({"w": w}).layers[0]
+    fits, block = _brute_conv(w)
+    assert e.fits_2_4 == pytest.approx(fits)
+    assert e.block_4x1_sparsity == pytest.approx(block)
+
+
+def test_empty_weights_are_reported_not_crashed_on():
+    r = model_report({"a": torch.zeros(0, 4), "b": torch.zeros(4, 0, 3, 3), "c": torch.ones(4, 4)})
+    a, b = r.layer("a"), r.layer("b")
+    assert (a.numel, a.channels, a.zero_channels, a.sparsity) == (0, 0, 0, 0.0)
+    assert (a.fits_2_4, a.block_4x1_sparsity) == (None, None)
+    assert (b.numel, b.channels, b.zero_channels, b.fits_2_4) == (0, 4, 4, None)
+    # the totals come from the one non-empty weight alone
+    assert (r.numel_layers, r.nonzero_layers, r.fits_2_4, r.block_4x1_sparsity) == (16, 16, 0.0, 0.0)
+
+
 # --------------------------------------------------------------------- the same answer from every source
 @pytest.mark.parametrize("mask_dtype", [None, torch.bool])
 def test_module_state_dicts_and_compressed_file_agree(tmp_path, mask_dtype):

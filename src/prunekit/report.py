@@ -116,33 +116,31 @@ class ModelReport:
 
 
 # ----------------------------------------------------------------------------- measuring
-def _to_2d(t: Tensor) -> Tensor:
-    """``(out, prod(kernel) * in)`` with input channels innermost (prunekit's pattern layout)."""
-    if t.dim() == 2:
-        return t
-    perm = (0,) + tuple(range(2, t.dim())) + (1,)
-    return t.permute(*perm).reshape(t.shape[0], -1)
-
-
 def _measure(name: str, t: Tensor, masked: bool) -> Tuple[LayerReport, int, int, int, int]:
-    """The layer entry plus (2:4 groups, fitting groups, 4x1 blocks, zero blocks)."""
+    """The layer entry plus (2:4 groups, fitting groups, 4x1 blocks, zero blocks).
+
+    The groups and blocks are those :mod:`prunekit.training.patterns` prunes
+    with (its ``to_2d`` layout and ``"4x1"`` units), so the figures cannot
+    drift from what pattern pruning produces.
+    """
+    from .training.patterns import get_pattern, to_2d
+
     nz = t != 0
     numel = t.numel()
     nonzero = int(nz.sum())
-    out_ch, in_ch = int(t.shape[0]), int(t.shape[1])
-    rows = nz.reshape(out_ch, -1).any(dim=1)
+    out_ch = int(t.shape[0])
+    rows = nz.flatten(1).any(dim=1)  # flatten, not reshape(out, -1): a (0, n) weight has no rows to infer from
     zero_channels = int((~rows).sum())
-    flat = _to_2d(nz)  # (out, k * in), input channel innermost
     groups = fit = blocks = zero_blocks = 0
     fits = block = None
-    if in_ch % 4 == 0 and numel:
-        per_group = flat.reshape(-1, 4).sum(dim=1)
+    two_four, four_one = get_pattern("2:4"), get_pattern("4x1")
+    if numel and two_four.check(t.shape) is None:
+        per_group = to_2d(nz).reshape(-1, 4).sum(dim=1)  # 4 consecutive input channels at one kernel position
         groups = per_group.numel()
         fit = int((per_group <= 2).sum())
         fits = fit / groups
-    if out_ch % 4 == 0 and numel:
-        cols = flat.shape[1]
-        b = flat.reshape(out_ch // 4, 4, cols).any(dim=1)
+    if numel and four_one.check(t.shape) is None:
+        b = four_one.to_units(nz).any(dim=1)
         blocks = b.numel()
         zero_blocks = int((~b).sum())
         block = zero_blocks / blocks
@@ -216,7 +214,6 @@ def model_report(source: Union[nn.Module, Mapping[str, Tensor]]) -> ModelReport:
     tensors, masked, kind = _effective_tensors(source)
     rep = ModelReport(source=kind)
     groups = fit = blocks = zero_blocks = 0
-    any_groups = any_blocks = False
     for name, t in tensors.items():
         t = t.detach()
         rep.numel_all += t.numel()
@@ -229,19 +226,15 @@ def model_report(source: Union[nn.Module, Mapping[str, Tensor]]) -> ModelReport:
         rep.nonzero_layers += entry.nonzero
         rep.channels += entry.channels
         rep.zero_channels += entry.zero_channels
-        if entry.fits_2_4 is not None:
-            any_groups = True
-            groups += g
-            fit += f
-        if entry.block_4x1_sparsity is not None:
-            any_blocks = True
-            blocks += b
-            zero_blocks += zb
+        groups += g
+        fit += f
+        blocks += b
+        zero_blocks += zb
     rep.sparsity_layers = 1 - rep.nonzero_layers / rep.numel_layers if rep.numel_layers else 0.0
     rep.sparsity_all = 1 - rep.nonzero_all / rep.numel_all if rep.numel_all else 0.0
     rep.channel_sparsity = rep.zero_channels / rep.channels if rep.channels else 0.0
-    rep.fits_2_4 = fit / groups if any_groups and groups else None
-    rep.block_4x1_sparsity = zero_blocks / blocks if any_blocks and blocks else None
+    rep.fits_2_4 = fit / groups if groups else None  # None when no weight has the 2:4 layout
+    rep.block_4x1_sparsity = zero_blocks / blocks if blocks else None
     logger.debug("model_report: %d layers, %.4f sparse", len(rep.layers), rep.sparsity_layers)
     return rep
 
