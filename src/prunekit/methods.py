@@ -9,7 +9,7 @@ magnitude selection is prunekit's linear-time kernel
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -70,6 +70,12 @@ def _count(amount: Amount, units: int) -> int:
     nparams_toprune = compute_nparams_to_prune(amount, units)
     validate_pruning_amount(nparams_toprune, units)
     return nparams_toprune
+
+
+def _channels_to_prune(t: Tensor, dim: int, amount: Amount) -> Tuple[int, int, int]:
+    """``(dim, channels along it, channels to prune)`` for a structured method, all validated."""
+    dim = _validate_structured(t, dim)
+    return dim, t.shape[dim], _count(amount, t.shape[dim])
 
 
 def _check_dim(dim: int) -> int:
@@ -168,9 +174,7 @@ class RandomStructured(BasePruningMethod):
         self.dim = _check_dim(dim)
 
     def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
-        dim = _validate_structured(t, self.dim)
-        tensor_size = t.shape[dim]
-        nparams_toprune = _count(self.amount, tensor_size)
+        dim, tensor_size, nparams_toprune = _channels_to_prune(t, self.dim, self.amount)
         if nparams_toprune == 0:
             return default_mask
         b = backend_of(t) or TORCH
@@ -206,9 +210,7 @@ class LnStructured(BasePruningMethod):
         self.dim = _check_dim(dim)
 
     def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
-        dim = _validate_structured(t, self.dim)
-        tensor_size = t.shape[dim]
-        nparams_toprune = _count(self.amount, tensor_size)
+        dim, tensor_size, nparams_toprune = _channels_to_prune(t, self.dim, self.amount)
         if nparams_toprune == 0:
             return default_mask
         b = backend_of(t) or TORCH
