@@ -208,15 +208,25 @@ def test_nested_state_dict_and_plain_safetensors(tmp_path):
 
 
 def test_missing_and_garbage_files(tmp_path):
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match=f"checkpoint file not found: {tmp_path / 'nope.pt'}; give the path"):
         read_checkpoint(tmp_path / "nope.pt")
+    with pytest.raises(IsADirectoryError, match="is a directory; give a checkpoint file"):
+        read_checkpoint(tmp_path)
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint at all")
-    with pytest.raises(ValueError, match="not a torch checkpoint") as info:
-        read_checkpoint(tmp_path / "junk.pt")
-    assert not isinstance(info.value, UnsafeCheckpointError)
+    for trust in (False, True):  # trusting a file does not turn garbage into a checkpoint
+        with pytest.raises(ValueError) as info:
+            read_checkpoint(tmp_path / "junk.pt", trust_pickle=trust)
+        assert not isinstance(info.value, UnsafeCheckpointError)
+        msg = str(info.value)
+        assert msg.startswith(f"{tmp_path / 'junk.pt'}: not a torch checkpoint or a safetensors file (")
+        assert msg.endswith("; give a file written by torch.save(model.state_dict(), path), "
+                            "safetensors.torch.save_file or prunekit.sparse.save_compressed")
     (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 32)
-    with pytest.raises(ValueError, match="safetensors"):
+    with pytest.raises(ValueError, match=r"junk.safetensors: not a readable safetensors file \(.*\); give a file"):
         read_checkpoint(tmp_path / "junk.safetensors")
+    torch.save([1, 2], tmp_path / "list.pt")
+    with pytest.raises(ValueError, match="holds a list with no tensors; expected a state dict"):
+        read_checkpoint(tmp_path / "list.pt")
 
 
 # --------------------------------------------------------------------- plots
@@ -234,7 +244,7 @@ def test_plots_write_pngs(tmp_path):
         with open(p, "rb") as f:
             assert f.read(8) == PNG
         assert os.path.getsize(p) > 2000
-    with pytest.raises(ValueError, match="no 'accuracy'"):
+    with pytest.raises(ValueError, match="has no 'accuracy'; give every result 'method', 'sparsity' and 'accuracy'"):
         plot_accuracy_vs_sparsity([{"method": "a", "sparsity": 0.5}], tmp_path / "bad.png")
 
 

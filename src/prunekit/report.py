@@ -101,14 +101,36 @@ class ModelReport:
     source: str = "model"
 
     def to_dict(self) -> Dict[str, Any]:
-        """Plain, JSON-ready dict (shapes become lists)."""
+        """Plain, JSON-ready dict (shapes become lists).
+
+        Example:
+            >>> import json, torch
+            >>> from prunekit.report import model_report
+            >>> d = model_report({"fc.weight": torch.eye(4)}).to_dict()
+            >>> d["layers"][0]["shape"], d["sparsity_layers"], d["source"]
+            ([4, 4], 0.75, 'state_dict')
+            >>> json.loads(json.dumps(d)) == d
+            True
+        """
         d = asdict(self)
         for layer in d["layers"]:
             layer["shape"] = list(layer["shape"])
         return d
 
     def layer(self, name: str) -> LayerReport:
-        """The entry of the weight called ``name`` (``KeyError`` naming the known ones otherwise)."""
+        """The entry of the weight called ``name`` (``KeyError`` naming the known ones otherwise).
+
+        Example:
+            >>> import torch
+            >>> from prunekit.report import model_report
+            >>> r = model_report({"fc.weight": torch.eye(4), "fc.bias": torch.ones(4)})
+            >>> r.layer("fc.weight").nonzero
+            4
+            >>> r.layer("fc.bias")
+            Traceback (most recent call last):
+            ...
+            KeyError: "no weight named 'fc.bias' in this report; known: ['fc.weight']"
+        """
         for entry in self.layers:
             if entry.name == name:
                 return entry
@@ -270,6 +292,21 @@ def _unwrap(obj: Any, path: str) -> "OrderedDict[str, Tensor]":
     )
 
 
+def _first_line(e: BaseException) -> str:
+    """``Type: first line of the message`` (a bare ``KeyError: 101`` says more than ``101``)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def _unreadable(path: str, detail: str = "") -> ValueError:
+    """The error for a file that is neither a torch checkpoint nor safetensors, saying what to give instead."""
+    return ValueError(
+        f"{path}: not a torch checkpoint or a safetensors file" + (f" ({detail})" if detail else "")
+        + "; give a file written by torch.save(model.state_dict(), path), safetensors.torch.save_file "
+        "or prunekit.sparse.save_compressed"
+    )
+
+
 def read_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Tuple["OrderedDict[str, Tensor]", str]:
     """Read a checkpoint file as a state dict; returns ``(state_dict, kind)``.
 
@@ -290,7 +327,7 @@ def read_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Tuple["Ord
     """
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"no such file: {path}")
+        raise FileNotFoundError(f"checkpoint file not found: {path}; give the path of a .pt, .pth or .safetensors file")
     if os.path.isdir(path):
         raise IsADirectoryError(f"{path} is a directory; give a checkpoint file")
     if _looks_like_safetensors(path):
@@ -306,7 +343,10 @@ def read_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Tuple["Ord
                     return OrderedDict((k, f.get_tensor(k)) for k in keys), "safetensors"
         except Exception as e:  # safetensors raises its own error types
             if path.endswith(".safetensors"):
-                raise ValueError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})") from e
+                raise ValueError(
+                    f"{path}: not a readable safetensors file ({_first_line(e)}); give a file written by "
+                    "safetensors.torch.save_file or prunekit.sparse.save_compressed"
+                ) from e
         else:
             from .sparse import load_compressed
 
@@ -317,10 +357,7 @@ def read_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Tuple["Ord
         if not trust_pickle:
             if "Unsupported global" not in str(e) and not zipfile.is_zipfile(path):
                 detail = [ln.strip() for ln in str(e).splitlines() if ln.strip().startswith("Unsupported")]
-                raise ValueError(
-                    f"{path}: not a torch checkpoint or a safetensors file"
-                    + (f" ({' '.join(detail)})" if detail else "")
-                ) from e
+                raise _unreadable(path, " ".join(detail)) from e
             raise UnsafeCheckpointError(
                 f"{path}: loading it needs full unpickling, which can run arbitrary code; "
                 "pass --trust-pickle (trust_pickle=True) only if you trust where the file comes from"
@@ -328,10 +365,9 @@ def read_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Tuple["Ord
         try:
             obj = torch.load(path, map_location="cpu", weights_only=False)
         except (pickle.UnpicklingError, RuntimeError, EOFError) as e2:
-            raise ValueError(f"{path}: not a torch checkpoint ({str(e2).splitlines()[0]})") from e2
+            raise _unreadable(path, _first_line(e2)) from e2
     except Exception as e:  # torch.load raises RuntimeError, EOFError, KeyError, ... on files it cannot read
-        detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"{path}: not a torch checkpoint or a safetensors file ({detail})") from e
+        raise _unreadable(path, _first_line(e)) from e
     return _unwrap(obj, path), "torch"
 
 
@@ -407,7 +443,11 @@ def plot_accuracy_vs_sparsity(
     for r in results:
         for key in ("method", "sparsity", "accuracy"):
             if key not in r:
-                raise ValueError(f"plot_accuracy_vs_sparsity: result {dict(r)!r} has no {key!r}")
+                raise ValueError(
+                    f"plot_accuracy_vs_sparsity: result {dict(r)!r} has no {key!r}; give every result "
+                    "'method', 'sparsity' and 'accuracy', e.g. {'method': 'magnitude', 'sparsity': 0.9, "
+                    "'accuracy': 0.97}"
+                )
         by_method.setdefault(str(r["method"]), []).append((float(r["sparsity"]), float(r["accuracy"])))
     all_acc = [a for pts in by_method.values() for _, a in pts]
     # a second, zoomed panel when some points (e.g. one-shot without fine-tuning) squash the interesting top
