@@ -377,6 +377,35 @@ def test_demo_bad_out(capsys, tmp_path):
 
 
 # --------------------------------------------------------------------- the real entry points
+def test_debug_adds_the_traceback_and_keeps_the_exit_code(capsys, tmp_path, cnn_weights):
+    missing = tmp_path / "missing.pt"
+    code, out, err = run(capsys, "--debug", "inspect", missing)
+    assert code == 2 and out == ""
+    assert err.startswith("Traceback") and "CliError" in err
+    assert err.splitlines()[-1] == f"prunekit: error: checkpoint not found: {missing}"
+    # a failure while working: the traceback, then the line without the '--debug' hint, exit code 1
+    code, _, err = run(capsys, "--debug", "compact", "--model", CNN, "--weights", cnn_weights,
+                       "--input-shape", "2,3,8,8", "--out", tmp_path / "small.pt")
+    assert code == 1 and err.startswith("Traceback")
+    last = err.splitlines()[-1]
+    assert last.startswith("prunekit: error: ") and "0 whole channels" in last and "--debug" not in last
+    # --debug belongs before the subcommand; after it, it is a bad argument like any other (no traceback)
+    code, _, err = run(capsys, "inspect", missing, "--debug")
+    assert_one_line_error(code, err, 2, "unrecognized arguments: --debug")
+
+
+def test_cli_docstring_examples_run(capsys):
+    import doctest
+
+    import prunekit.cli
+
+    result = doctest.testmod(prunekit.cli)
+    assert result.attempted >= 4 and result.failed == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "prunekit: error: checkpoint not found: no-such-file.pt"
+    assert "amount 1.5 is out of range" in err[1]
+
+
 def test_python_dash_m_exit_codes(tmp_path):
     env = _env()
     ok = subprocess.run([sys.executable, "-m", "prunekit", "--version"], capture_output=True, text=True, env=env)

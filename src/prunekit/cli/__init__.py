@@ -4,7 +4,8 @@ Subcommands: ``demo``, ``inspect``, ``prune``, ``compact``, ``sparsify``; each h
 ``--help`` with examples and ``--json`` for machine-readable output. Exit codes:
 0 success, 1 failure while working, 2 bad arguments (missing file, unknown
 method, amount outside [0, 1], a pickle without ``--trust-pickle``), 130
-interrupted. Errors are one line on stderr; ``--debug`` shows the traceback.
+interrupted. Errors are one line on stderr; ``--debug`` (before the subcommand)
+adds the traceback above it and keeps the exit code.
 
 Needs ``rich`` for tables and progress bars (``pip install prunekit[cli]``);
 without it the output is plain text.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 from typing import Callable, List, Optional
 
 from ._common import FAILURE, USAGE_ERROR, CliError, Parser, first_line
@@ -37,7 +39,14 @@ exit codes: 0 ok, 1 failed while working, 2 bad arguments.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``prunekit`` command."""
+    """The argument parser of the ``prunekit`` command (bad arguments raise a one-line ``CliError``).
+
+    Example:
+        >>> from prunekit.cli import build_parser
+        >>> args = build_parser().parse_args(["inspect", "model.safetensors", "--json"])
+        >>> args.command, args.checkpoint, args.json, args.debug
+        ('inspect', 'model.safetensors', True, False)
+    """
     from . import _compact, _demo, _inspect, _prune, _sparsify
 
     parser = Parser(
@@ -76,22 +85,39 @@ def _setup_logging(verbose: int) -> Callable[[], None]:
     return undo
 
 
+def _fail(e: BaseException, code: int, debug: bool, line: str) -> int:
+    """Report a failure as ``line`` on stderr (after the traceback with ``--debug``); returns ``code``.
+
+    ``--debug`` adds the traceback but never changes the exit code.
+    """
+    if debug:
+        traceback.print_exception(e, file=sys.stderr)
+    print(f"prunekit: error: {line}", file=sys.stderr)
+    return code
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the command with ``argv`` (default: ``sys.argv[1:]``); returns the exit code.
 
+    Errors are one line on stderr and an exit code (2 bad arguments, 1 a
+    failure while working); nothing is raised.
+
     Example:
         >>> from prunekit.cli import main
-        >>> main(["inspect", "no-such-file.pt"])  # doctest: +SKIP
+        >>> main(["inspect", "no-such-file.pt"])  # stderr: prunekit: error: checkpoint not found: no-such-file.pt
+        2
+        >>> main(["prune", "--model", "m:f", "--amount", "1.5"])  # stderr: ... amount 1.5 is out of range ...
         2
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv
+    debug = False  # known once the arguments parse: a bad argument is the user's, its traceback helps nobody
     try:
         parser = build_parser()
         try:
             args = parser.parse_args(argv)
         except SystemExit as e:  # --help / --version
             return int(e.code or 0) if not isinstance(e.code, str) else USAGE_ERROR
+        debug = args.debug
         if args.command is None:
             parser.print_help()
             return USAGE_ERROR
@@ -101,18 +127,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         finally:
             undo_logging()
     except CliError as e:
-        if debug:
-            raise
-        print(f"prunekit: error: {e}", file=sys.stderr)
-        return e.code
+        return _fail(e, e.code, debug, first_line(e))
     except KeyboardInterrupt:
         print("prunekit: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return FAILURE
     except Exception as e:  # a failure while working: one line, the traceback only with --debug
-        if debug:
-            raise
-        print(f"prunekit: error: {type(e).__name__}: {first_line(e)} (rerun with --debug for the traceback)",
-              file=sys.stderr)
-        return FAILURE
+        hint = "" if debug else " (rerun with --debug for the traceback)"
+        return _fail(e, FAILURE, debug, f"{type(e).__name__}: {first_line(e)}{hint}")
