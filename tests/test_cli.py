@@ -300,6 +300,45 @@ def test_sparsify_needs_weights(capsys):
     assert_one_line_error(code, err, 2, "--weights")
 
 
+# --------------------------------------------------------------------- issue 7's bad arguments, every subcommand
+# (subcommand arguments, expected one-line message); {missing} and {pickle} are filled in per test
+_SHAPES = {"compact": ["--input-shape", "2,3,8,8"], "sparsify": ["--input-shape", "2,3,8,8"]}
+BAD_ARGUMENTS = [
+    # a missing file
+    (["inspect", "{missing}"], "checkpoint not found: {missing}"),
+    (["prune", "--model", CNN, "--weights", "{missing}", "--amount", "0.5"], "weights file not found: {missing}"),
+    (["prune", "--model", CNN, "--config", "{missing}"], "config file not found: {missing}"),
+    (["compact", "--model", CNN, "--weights", "{missing}", "--amount", "0.5"], "weights file not found: {missing}"),
+    (["sparsify", "--model", CNN, "--weights", "{missing}"], "weights file not found: {missing}"),
+    # an unknown method
+    (["prune", "--model", CNN, "--method", "magic", "--amount", "0.5"], "invalid choice: 'magic'"),
+    (["compact", "--model", CNN, "--importance", "magic", "--amount", "0.5"], "invalid choice: 'magic'"),
+    (["sparsify", "--model", CNN, "--weights", "{pickle}", "--format", "magic"], "invalid choice: 'magic'"),
+    # amount 1.5
+    (["prune", "--model", CNN, "--amount", "1.5"], "amount 1.5 is out of range"),
+    (["compact", "--model", CNN, "--amount", "1.5"], "--amount 1.5 is out of range"),
+    # a pickle without --trust-pickle
+    (["inspect", "{pickle}"], "pass --trust-pickle"),
+    (["prune", "--model", CNN, "--weights", "{pickle}", "--amount", "0.5"], "pass --trust-pickle"),
+    (["compact", "--model", CNN, "--weights", "{pickle}", "--amount", "0.5"], "pass --trust-pickle"),
+    (["sparsify", "--model", CNN, "--weights", "{pickle}"], "pass --trust-pickle"),
+]
+
+
+@pytest.mark.parametrize("argv, match", BAD_ARGUMENTS)
+def test_bad_arguments_are_one_line_and_exit_2_in_every_subcommand(capsys, tmp_path, argv, match):
+    pickled = tmp_path / "pickled.pt"
+    torch.save(cli_models.make_cnn(), pickled)  # a whole pickled module: torch.load(weights_only=True) refuses it
+    fill = {"missing": str(tmp_path / "missing.pt"), "pickle": str(pickled)}
+    argv = [a.format(**fill) for a in argv] + _SHAPES.get(argv[0], [])
+    out = tmp_path / "out.file"
+    if argv[0] in ("prune", "compact"):
+        argv += ["--out", str(out)]
+    code, stdout, err = run(capsys, *argv)
+    assert_one_line_error(code, err, 2, match.format(**fill))
+    assert stdout == "" and not out.exists()
+
+
 # --------------------------------------------------------------------- demo (quick)
 def _env():
     src = os.path.join(os.path.dirname(HERE), "src")
