@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -381,10 +382,29 @@ def test_demo_quick_json(quick_demo):
     c = by["channels_50_compacted"]
     assert c["params"] < dense["params"] / 2 and c["macs"] < dense["macs"] / 2
     assert dense["accuracy"] > 0.9  # a working training recipe, even in the quick run
-    assert [ch["name"].split()[0] for ch in d["checks"]] == ["gradual", "compressed", "compacted"]
-    assert all(isinstance(ch["passed"], bool) for ch in d["checks"])
     assert d["chosen"] == "gradual_magnitude_90"
     assert d["chosen_layers"]["sparsity_layers"] == pytest.approx(0.9, abs=1e-3)
+    # the figures agree with each other: ratios against the dense row, non-zero counts against the sparsity
+    assert (dense["nonzero_params"], dense["effective_macs"], dense["size_ratio"], dense["speedup"]) == (
+        dense["params"], dense["macs"], 1.0, 1.0)
+    weights = d["chosen_layers"]["numel_layers"]  # the prunable weights (every Linear/Conv weight)
+    for r in d["results"]:
+        assert r["size_ratio"] == pytest.approx(r["size_bytes"] / dense["size_bytes"])
+        assert r["speedup"] == pytest.approx(dense["latency_ms"] / r["latency_ms"])
+        assert r["effective_macs"] <= r["macs"]
+        if r["key"] != "channels_50_compacted":  # masked models: same shapes, zeros where pruned
+            assert r["params"] - r["nonzero_params"] == pytest.approx(r["sparsity"] * weights, abs=0.5)
+    for k in ("oneshot_magnitude_50", "gradual_magnitude_50", "gradual_snip_momentum_50"):
+        assert by[k]["sparsity"] == pytest.approx(0.5, abs=1e-3) and by[k]["target"] == 0.5
+    # each verdict is the target applied to the figures above
+    gradual, compressed, compacted = d["checks"]
+    g = by["gradual_magnitude_90"]
+    assert gradual["name"].startswith("gradual magnitude at 90% within 1 point")
+    assert gradual["passed"] is (dense["accuracy"] - g["accuracy"] <= 0.01 + 1e-9)
+    assert compressed["name"].startswith("compressed checkpoint at 90%")
+    assert compressed["passed"] is (g["size_ratio"] < 0.15)
+    assert compacted["name"].startswith("compacted model measurably faster")
+    assert compacted["passed"] is (c["speedup"] >= 1.2)
 
 
 def test_demo_quick_plots_and_checkpoints(capsys, quick_demo):
@@ -399,11 +419,21 @@ def test_demo_quick_plots_and_checkpoints(capsys, quick_demo):
 def test_demo_table_rendering(capsys, quick_demo):
     from prunekit.cli._demo import print_result
 
+    from prunekit.cli._demo import table_rows
+
     d = json.loads(quick_demo[1])
     print_result(d)
     out = capsys.readouterr().out
-    for text in ("one-shot global magnitude", "gradual snip-momentum", "channels + compact", "targets:", "2:4"):
-        assert text in out
+    lines = out.splitlines()
+    # one table line per model, holding every figure of its row in column order (nothing cropped or elided)
+    rows = table_rows(d)
+    assert len(rows) == 1 + len(d["results"])
+    for r, cells in zip([d["dense"]] + d["results"], rows):
+        assert cells[0] == r["method"] and cells[3] == f"{100 * r['accuracy']:.2f}%"
+        pattern = ".*".join(re.escape(c) for c in cells if c)
+        assert sum(bool(re.search(pattern, ln)) for ln in lines) == 1, (r["key"], cells)
+    for ch in d["checks"]:
+        assert f"[{'PASS' if ch['passed'] else 'FAIL'}] {ch['name']}: {ch['detail']}" in out
     assert out.count("PASS") + out.count("FAIL") == 3
 
 
