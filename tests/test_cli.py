@@ -467,7 +467,10 @@ def test_cli_docstring_examples_run(capsys):
     import doctest
 
     import prunekit.cli
+    import prunekit.cli._demo
 
+    result = doctest.testmod(prunekit.cli._demo)
+    assert result.attempted >= 3 and result.failed == 0
     result = doctest.testmod(prunekit.cli)
     assert result.attempted >= 4 and result.failed == 0
     err = capsys.readouterr().err.splitlines()

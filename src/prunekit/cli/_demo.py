@@ -25,6 +25,7 @@ results.json, accuracy_vs_sparsity.png, layer_sparsity.png and every compressed 
 
 
 def add_parser(sub: Any) -> None:
+    """Register ``prunekit demo`` on the subparsers ``sub`` of :func:`prunekit.cli.build_parser`."""
     p = sub.add_parser("demo", help="end-to-end demo on scikit-learn's digits: accuracy, size, speed",
                        description="Train a small CNN on scikit-learn's digits, prune it several ways and compare "
                                    "sparsity, accuracy, parameters, MACs, checkpoint size and CPU latency.",
@@ -40,9 +41,9 @@ def add_parser(sub: Any) -> None:
 
 def _progress_reporter(enabled: bool) -> Any:
     """(callback, closer): a rich progress bar on a terminal, stage lines otherwise."""
-    con = console(stderr=True)
     if not enabled:
         return None, lambda: None
+    con = console(stderr=True)
     if con is not None and sys.stderr.isatty():
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -76,6 +77,16 @@ def _target(r: Dict[str, Any]) -> str:
 
 
 def table_rows(result: Dict[str, Any]) -> List[List[str]]:
+    """The demo table's cells (see ``COLUMNS``), dense first, from :func:`prunekit.demo.run_demo`'s result.
+
+    Example:
+        >>> from prunekit.cli._demo import table_rows
+        >>> row = {"key": "dense", "method": "dense", "target": 0.0, "sparsity": 0.0, "accuracy": 0.99,
+        ...        "params": 227018, "nonzero_params": 227018, "macs": 2511360, "size_bytes": 911704,
+        ...        "size_ratio": 1.0, "latency_ms": 5.17, "speedup": 1.0}
+        >>> table_rows({"dense": row, "results": []})
+        [['dense', '-', '0.0%', '99.00%', '', '227.0k', '227.0k', '2.51M', '890.3 KiB', '1.000x', '5.17', '1.00x']]
+    """
     dense = result["dense"]
     rows = []
     for r in [dense] + result["results"]:
@@ -102,6 +113,7 @@ COLUMNS = ["method", "target", "sparsity", "accuracy", "Δ pts", "params", "non-
 
 
 def print_result(result: Dict[str, Any]) -> None:
+    """Print :func:`prunekit.demo.run_demo`'s result: the table, the notes and the PASS/FAIL targets."""
     s = result["settings"]
     print_table(
         f"prunekit demo: digits CNN, {s.get('name', 'full')} run, "
@@ -123,6 +135,7 @@ def print_result(result: Dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``prunekit demo``: run the demo, print the table or the JSON; 1 when a stage failed, else 0."""
     from prunekit.demo import DemoSettings, run_demo
 
     if os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -142,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         print_result(result)
     if result.get("errors"):
         for e in result["errors"]:
-            print(f"prunekit: error: demo stage {e['stage']} failed: {e['error'].splitlines()[0]}", file=sys.stderr)
+            reason = (e["error"].strip().splitlines() or ["unknown error"])[0]
+            print(f"prunekit: error: demo stage {e['stage']} failed: {reason}", file=sys.stderr)
         return 1
     return 0
