@@ -351,13 +351,3 @@ def test_bad_inputs_raise_and_leave_existing_file_alone(path):
     with open(path, "rb") as f:
         assert f.read() == before
     assert [p for p in os.listdir(os.path.dirname(path)) if p.startswith(".prunekit-")] == []
-
-
-def test_docstring_examples():
-    import doctest
-
-    import prunekit.sparse.checkpoint as checkpoint
-
-    result = doctest.testmod(checkpoint, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0
-    assert result.failed == 0

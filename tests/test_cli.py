@@ -463,21 +463,6 @@ def test_debug_adds_the_traceback_and_keeps_the_exit_code(capsys, tmp_path, cnn_
     assert_one_line_error(code, err, 2, "unrecognized arguments: --debug")
 
 
-def test_cli_docstring_examples_run(capsys):
-    import doctest
-
-    import prunekit.cli
-    import prunekit.cli._demo
-
-    result = doctest.testmod(prunekit.cli._demo)
-    assert result.attempted >= 3 and result.failed == 0
-    result = doctest.testmod(prunekit.cli)
-    assert result.attempted >= 4 and result.failed == 0
-    err = capsys.readouterr().err.splitlines()
-    assert err[0] == "prunekit: error: checkpoint not found: no-such-file.pt"
-    assert "amount 1.5 is out of range" in err[1]
-
-
 def test_python_dash_m_exit_codes(tmp_path):
     env = _env()
     ok = subprocess.run([sys.executable, "-m", "prunekit", "--version"], capture_output=True, text=True, env=env)

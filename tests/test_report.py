@@ -262,15 +262,6 @@ def test_report_agrees_with_training_patterns():
     assert r.sparsity_layers == pytest.approx(0.5)
 
 
-def test_docstring_examples_run():
-    import doctest
-    import importlib
-
-    result = doctest.testmod(importlib.import_module("prunekit.report"),
-                             optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0 and result.failed == 0
-
-
 def test_demo_docstring_examples_run():
     # in a subprocess: prunekit.demo loads scikit-learn (and scipy), kept out of the test process
     import subprocess

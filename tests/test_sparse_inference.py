@@ -421,13 +421,3 @@ def test_two_four_on_cuda_converts_and_matches():  # pragma: no cover - no CUDA 
     restore_dense(model)
     with torch.no_grad():
         assert torch.equal(model(x), expected)
-
-
-@pytest.mark.parametrize("name", ["prunekit.sparse.inference", "prunekit.sparse.modules"])
-def test_docstring_examples(name):
-    import doctest
-    import importlib
-
-    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0, f"{name} has no examples"
-    assert result.failed == 0
