@@ -140,7 +140,7 @@ def _tensors(obj: Any) -> List[Tensor]:
 
 
 # ------------------------------------------------------------------ results
-@dataclass
+@dataclass(slots=True)  # no per-instance __dict__: a graph holds thousands of units
 class Unit:
     """One removable piece: a channel, a head or a group of a grouped conv.
 
@@ -225,6 +225,9 @@ class DependencyGraph:
 
 
 # ------------------------------------------------------------------ union-find
+_NEG_ONE = torch.full((1,), -1, dtype=torch.long)
+
+
 class _UnionFind:
     """Channel ids joined into components; a component may carry a "blocked" reason.
 
@@ -296,10 +299,13 @@ class _UnionFind:
                     parent = nxt
         self.blocked = {}
         if self._blocks:
-            picked = [i if cond is None else i[cond.reshape(-1) < 0] for i, _, cond in self._blocks]
-            ids = torch.cat(picked).to(torch.long)
-            order = torch.repeat_interleave(torch.arange(len(self._blocks)), torch.tensor([int(i.numel()) for i in picked]))
-            keep = ids >= 0
+            # all blocks at once: an id counts where it is >= 0 and its condition (if any) < 0
+            ids = torch.cat([i for i, _, _ in self._blocks]).to(torch.long)
+            conds = torch.cat([_NEG_ONE.expand(i.numel()) if c is None else c.reshape(-1) for i, _, c in self._blocks])
+            order = torch.repeat_interleave(
+                torch.arange(len(self._blocks)), torch.tensor([i.numel() for i, _, _ in self._blocks])
+            )
+            keep = (ids >= 0) & (conds < 0)
             ids, order = ids[keep], order[keep]
             first = torch.full((self.n,), len(self._blocks), dtype=torch.long)
             first.scatter_reduce_(0, parent[ids], order, reduce="amin")
@@ -393,6 +399,7 @@ class Tracer:
         self.names: Dict[int, str] = {id(m): n for n, m in self.named}
         self.by_name: Dict[str, nn.Module] = dict(self.named)
         self._slot_ids: Dict[Tuple[str, str], Tensor] = {}
+        self._specs: Dict[str, Dict[str, Any]] = {}
         self.stack: List[str] = []
         self.leaf_depth = 0
         self.last_op = ""
@@ -408,8 +415,10 @@ class Tracer:
         key = (module_name, slot_name)
         info = self.slots.get(key)
         if info is None:
-            handler = self.handlers[module_name]
-            spec = handler.slots(self.by_name[module_name])[slot_name]
+            specs = self._specs.get(module_name)
+            if specs is None:  # one handler.slots() call per module
+                specs = self._specs[module_name] = self.handlers[module_name].slots(self.by_name[module_name])
+            spec = specs[slot_name]
             info = SlotInfo(module_name, slot_name, self.uf.add(spec.size), spec)
             self.slots[key] = info
             if spec.tie > 1:  # heads / norm groups: consecutive blocks move together
@@ -549,8 +558,9 @@ class Tracer:
                     self.stack.pop()
 
     # ---- ops between leaves
-    def on_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        name = _op_name(func)
+    def on_op(self, func: Any, args: tuple, kwargs: dict, out: Any, name: Optional[str] = None) -> None:
+        if name is None:
+            name = _op_name(func)
         self.last_op = name
         ins = [t for t in _tensors((args, kwargs)) if self.shadow(t) is not None]
         if not ins:
@@ -854,11 +864,12 @@ class Tracer:
                     raise
                 tracer.last_op = name
                 if tracer.leaf_depth == 0:
-                    tracer.on_op(func, args, kwargs, out)
+                    tracer.on_op(func, args, kwargs, out, name)
                 return out
 
         was_training = [(m, m.training) for _, m in self.named]
-        self.model.eval()
+        if any(t for _, t in was_training):
+            self.model.eval()
         args, kwargs = _split_inputs(example_inputs)
         # No autograd: nothing here needs gradients, and recording them costs about a
         # quarter of the forward pass. Fused inference fast paths (nn.MultiheadAttention,
@@ -883,7 +894,8 @@ class Tracer:
             for h in hooks:
                 h.remove()
             for m, t in was_training:
-                m.training = t
+                if m.training != t:
+                    m.training = t
             self.stack.clear()
             self.leaf_depth = 0
         for t in _tensors(_flatten_output(output)):
@@ -1041,14 +1053,6 @@ def _collect(tracer: Tracer, ignored: Tuple[str, ...]) -> DependencyGraph:
     starts_at = run_start.nonzero().view(-1)
     run_len = torch.diff(torch.cat([starts_at, torch.tensor([run_key.numel()])])).tolist()
     run_root = r[starts_at]
-    # one index tensor per (unit, slot); single indices share one tensor per value
-    singles = torch.arange(int(sizes.max())).view(-1, 1).unbind()
-    if max(run_len) == 1:
-        pieces = [singles[i] for i in index.tolist()]
-    else:
-        pieces = list(torch.split(index, run_len))
-        for k in (torch.tensor(run_len) == 1).nonzero().view(-1).tolist():
-            pieces[k] = singles[int(pieces[k])]
     # runs of equal root: one unit each
     unit_start = torch.ones_like(run_root, dtype=torch.bool)
     unit_start[1:] = run_root[1:] != run_root[:-1]
@@ -1097,8 +1101,20 @@ def _collect(tracer: Tracer, ignored: Tuple[str, ...]) -> DependencyGraph:
     unit_rank = rank[sig_of_unit]
     unit_order = torch.argsort(unit_rank, stable=True)
     per_group = torch.bincount(unit_rank, minlength=n_sig).tolist()
-    lo_list = first_run[unit_order].tolist()
-    hi_list = (first_run[unit_order] + n_runs[unit_order]).tolist()
+    # the runs in group order (units of a group in order, a unit's runs in slot order), so
+    # each group's members are one contiguous stretch of ``pieces``
+    runs_sorted = n_runs[unit_order]
+    run_perm = torch.repeat_interleave(first_run[unit_order] - (torch.cumsum(runs_sorted, 0) - runs_sorted), runs_sorted)
+    run_perm += torch.arange(run_perm.numel())
+    # one index tensor per (unit, slot); single indices share one tensor per value
+    singles = torch.arange(int(sizes.max())).view(-1, 1).unbind()
+    if max(run_len) == 1:  # every run is one id: runs and ids coincide
+        pieces = list(map(singles.__getitem__, index[run_perm].tolist()))
+    else:
+        split = list(torch.split(index, run_len))
+        for k in (torch.tensor(run_len) == 1).nonzero().view(-1).tolist():
+            split[k] = singles[int(split[k])]
+        pieces = list(map(split.__getitem__, run_perm.tolist()))
     run_slot = run_slot_t.tolist()
     first_units = first_of_sig[sig_order]
     unit_roots = unit_root_t[first_units].tolist()
@@ -1107,13 +1123,13 @@ def _collect(tracer: Tracer, ignored: Tuple[str, ...]) -> DependencyGraph:
     groups: List[Group] = []
     pos = 0
     for gi, count in enumerate(per_group):
-        lo0 = lo_of_first[gi]
-        names = tuple(keys[i] for i in run_slot[lo0 : lo0 + runs_of_first[gi]])
-        spans = zip(lo_list[pos : pos + count], hi_list[pos : pos + count])
+        lo0, k = lo_of_first[gi], runs_of_first[gi]
         # members in slot order, as the slots were first seen
-        units = [Unit(dict(zip(names, pieces[lo:hi]))) for lo, hi in spans]
+        names = tuple(keys[i] for i in run_slot[lo0 : lo0 + k])
+        rows = zip(*[iter(pieces[pos : pos + count * k])] * k)  # one unit's k pieces per row
+        units = list(map(Unit, map(dict, map(zip, itertools.repeat(names, count), rows))))
         groups.append(Group(tuple(sorted(names)), units, blocked=uf.blocked.get(unit_roots[gi])))
-        pos += count
+        pos += count * k
     return DependencyGraph(tracer.model, groups, tracer.slots, tracer.handlers, ignored)
 
 
