@@ -11,7 +11,12 @@ steps after end_step, where only the masked forward remains).
 Targets (issue 3): 90 % unstructured within 1 point of dense accuracy; 2:4
 within 1 point; 80 % 4x1 within 2 points; non-update steps at most 5 % slower.
 
-Run: python benchmarks/bench_training.py [--quick]
+``--overhead`` measures only the per-step cost of a pruned model against the
+same loop on the unpruned one, with SGD-momentum and with Adam, interleaved:
+the bare reparameterization (prunekit and torch.nn.utils.prune) and a model
+wired to a pruner past its end_step.
+
+Run: python benchmarks/bench_training.py [--quick] [--overhead]
 """
 
 import argparse
@@ -20,9 +25,11 @@ import statistics
 import time
 
 import torch
+import torch.nn.utils.prune as torch_prune
 from sklearn.datasets import load_digits
 from torch import nn
 
+import prunekit
 from prunekit.training import prepare_pruning
 
 PATTERNS = [("1x1", 0.9, 1.0), ("2:4", 0.5, 1.0), ("4x1", 0.8, 2.0)]
@@ -73,11 +80,52 @@ def finetune(model, opt, batches, pruning=None):
     return times
 
 
+def overhead(quick: bool) -> None:
+    """Median step time of pruned variants against the unpruned model, runs interleaved."""
+    x, y, _, _ = data()
+    batches = steps(x, y, 40 if quick else 300, seed=3)
+    layers = (2, 5, 7)  # the second conv and both linears, half of each pruned
+
+    def variant(kind, make_opt):
+        m = cnn()
+        opt = make_opt(m.parameters())
+        if kind == "prunekit":
+            for i in layers:
+                prunekit.l1_unstructured(m[i], "weight", 0.5)
+        elif kind == "torch.nn.utils.prune":
+            for i in layers:
+                torch_prune.l1_unstructured(m[i], "weight", 0.5)
+        elif kind == "pruner, after end_step":
+            prepare_pruning(m, {"prune_type": "magnitude", "pattern": "1x1", "target_sparsity": 0.5,
+                                "start_step": 0, "end_step": 2, "excluded_names": ["^0$"]}, opt)
+        return m, opt
+
+    kinds = ["unpruned", "prunekit", "torch.nn.utils.prune", "pruner, after end_step"]
+    optimizers = {"SGD-momentum": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+                  "Adam": lambda p: torch.optim.Adam(p, lr=1e-3)}
+    print(f"per-step time against the unpruned model ({len(batches)} steps each, interleaved, medians)")
+    print(f"{'optimizer':<14}" + "".join(f"{k:>24}" for k in kinds))
+    for opt_name, make_opt in optimizers.items():
+        models = {k: variant(k, make_opt) for k in kinds}
+        for k in kinds:  # warm-up (and the pruner's mask updates) outside the timing
+            finetune(*models[k], batches[:10])
+        times = {k: [] for k in kinds}
+        for i in range(0, len(batches), 10):
+            for k in kinds:
+                times[k] += finetune(*models[k], batches[i:i + 10])
+        base = statistics.median(times["unpruned"])
+        print(f"{opt_name:<14}" + "".join(f"{statistics.median(times[k]) / base:>23.3f}x" for k in kinds))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
+    ap.add_argument("--overhead", action="store_true", help="only the per-step overhead of pruned models")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.overhead:
+        overhead(args.quick)
+        return
     x, y, xt, yt = data()
     dense_steps, ft_steps = (300, 200) if args.quick else (900, 900)
     model = cnn()
