@@ -138,6 +138,31 @@ class ModelReport:
 
 
 # ----------------------------------------------------------------------------- measuring
+# The measuring helpers below are shared with :func:`prunekit.training.sparsity_report`,
+# so the two reports cannot disagree on what a tensor holds or how it is counted.
+def _count(t: Tensor) -> Tuple[int, int]:
+    """``(elements, non-zero elements)`` of ``t`` (NaN counts as non-zero)."""
+    return t.numel(), int((t != 0).sum())
+
+
+def _fraction(part: int, whole: int) -> float:
+    """``part / whole``, ``0.0`` for an empty whole (the one rounding both reports use)."""
+    return part / whole if whole else 0.0
+
+
+def _block_counts(nz: Tensor, pattern: Any) -> Optional[Tuple[int, int]]:
+    """``(units, all-zero units)`` of the non-zero map ``nz`` cut into ``pattern``'s units.
+
+    ``pattern`` is a :class:`prunekit.training.patterns.Pattern`; ``None`` when
+    ``nz``'s shape does not fit it. The units are those pattern pruning
+    removes, so a tensor pruned with a pattern reports its blocks exactly.
+    """
+    if pattern.check(tuple(nz.shape)) is not None:
+        return None
+    units = pattern.to_units(nz).any(dim=1)
+    return units.numel(), int((~units).sum())
+
+
 def _measure(name: str, t: Tensor, masked: bool) -> Tuple[LayerReport, int, int, int, int]:
     """The layer entry plus (2:4 groups, fitting groups, 4x1 blocks, zero blocks).
 
@@ -148,30 +173,27 @@ def _measure(name: str, t: Tensor, masked: bool) -> Tuple[LayerReport, int, int,
     from .training.patterns import get_pattern, to_2d
 
     nz = t != 0
-    numel = t.numel()
-    nonzero = int(nz.sum())
+    numel, nonzero = _count(t)
     out_ch = int(t.shape[0])
     rows = nz.flatten(1).any(dim=1)  # flatten, not reshape(out, -1): a (0, n) weight has no rows to infer from
     zero_channels = int((~rows).sum())
     groups = fit = blocks = zero_blocks = 0
     fits = block = None
-    two_four, four_one = get_pattern("2:4"), get_pattern("4x1")
-    if numel and two_four.check(t.shape) is None:
+    if numel and get_pattern("2:4").check(t.shape) is None:
         per_group = to_2d(nz).reshape(-1, 4).sum(dim=1)  # 4 consecutive input channels at one kernel position
         groups = per_group.numel()
         fit = int((per_group <= 2).sum())
         fits = fit / groups
-    if numel and four_one.check(t.shape) is None:
-        b = four_one.to_units(nz).any(dim=1)
-        blocks = b.numel()
-        zero_blocks = int((~b).sum())
+    counted = _block_counts(nz, get_pattern("4x1")) if numel else None
+    if counted is not None:
+        blocks, zero_blocks = counted
         block = zero_blocks / blocks
     entry = LayerReport(
         name=name,
         shape=tuple(int(s) for s in t.shape),
         numel=numel,
         nonzero=nonzero,
-        sparsity=(numel - nonzero) / numel if numel else 0.0,
+        sparsity=_fraction(numel - nonzero, numel),
         channels=out_ch,
         zero_channels=zero_channels,
         channel_sparsity=zero_channels / out_ch if out_ch else 0.0,
@@ -182,30 +204,42 @@ def _measure(name: str, t: Tensor, masked: bool) -> Tuple[LayerReport, int, int,
     return entry, groups, fit, blocks, zero_blocks
 
 
+def _masked_names(sd: Mapping[str, Any]) -> set:
+    """Names ``x`` whose ``x_orig`` and ``x_mask`` are both in the state dict ``sd``."""
+    return {k[: -len("_mask")] for k in sd if k.endswith("_mask") and k[: -len("_mask")] + "_orig" in sd}
+
+
 def _effective_tensors(source: Union[nn.Module, Mapping[str, Tensor]]) -> Tuple["OrderedDict[str, Tensor]", set, str]:
-    """(name -> effective tensor, names that carried a mask, kind of source)."""
+    """(name -> effective tensor, names that carried a mask, kind of source).
+
+    For a model (PyTorch or TensorPlay): every parameter once (tied ones under
+    their first name), a pruned ``x_orig`` replaced by ``x = x_orig * x_mask``
+    with masked entries exactly zero, as :func:`prunekit.remove` bakes them.
+    For a state dict: every floating-point entry, ``x_orig``/``x_mask`` pairs baked.
+    """
+    from ._backend import is_module, is_tensor
     from .state_dict import dense_state_dict
 
-    if isinstance(source, nn.Module):
+    if is_module(source):
         sd = source.state_dict()
-        masked = {k[: -len("_mask")] for k in sd if k.endswith("_mask") and k[: -len("_mask")] + "_orig" in sd}
+        masked = _masked_names(sd)
         baked = dense_state_dict(sd)
         wanted = []
         for pname, _ in source.named_parameters():
             base = pname[: -len("_orig")] if pname.endswith("_orig") else pname
             wanted.append(base if base in masked else pname)
-        out = OrderedDict((k, baked[k]) for k in wanted if k in baked)
+        out = OrderedDict((k, baked[k].detach()) for k in wanted if k in baked)
         return out, masked, "model"
     if isinstance(source, Mapping):
         for k, v in source.items():
-            if not isinstance(k, str) or not isinstance(v, Tensor):
+            if not isinstance(k, str) or not is_tensor(v):
                 raise TypeError(
                     f"model_report: entry {k!r} of the state dict is a {type(v).__name__}, not a tensor; "
                     "pass a model or a mapping of names to tensors"
                 )
-        masked = {k[: -len("_mask")] for k in source if k.endswith("_mask") and k[: -len("_mask")] + "_orig" in source}
+        masked = _masked_names(source)
         baked = dense_state_dict(source)
-        out = OrderedDict((k, v) for k, v in baked.items() if v.is_floating_point() or v.is_complex())
+        out = OrderedDict((k, v.detach()) for k, v in baked.items() if v.is_floating_point() or v.is_complex())
         return out, masked, "state_dict"
     raise TypeError(
         f"model_report: expected an nn.Module or a state dict (a mapping of names to tensors), got "
@@ -213,14 +247,26 @@ def _effective_tensors(source: Union[nn.Module, Mapping[str, Tensor]]) -> Tuple[
     )
 
 
+def _totals(tensors: Mapping[str, Tensor]) -> Tuple[int, int]:
+    """``(elements, non-zero elements)`` over every tensor of ``tensors``."""
+    numel = nonzero = 0
+    for t in tensors.values():
+        n, nz = _count(t)
+        numel += n
+        nonzero += nz
+    return numel, nonzero
+
+
 def model_report(source: Union[nn.Module, Mapping[str, Tensor]]) -> ModelReport:
     """Measure the sparsity of a model or state dict, per weight tensor and in total.
 
     Works on the weights the model actually uses: a pruned module's
-    ``weight_orig * weight_mask`` (float or boolean masks), a state dict with
-    ``x_orig``/``x_mask`` pairs, or plain tensors. Every tensor with two or
-    more dimensions is a reported layer; the others (biases, norms) count in
-    the ``*_all`` totals only.
+    ``weight_orig * weight_mask`` (float or boolean masks; masked entries
+    count as zero), a state dict with ``x_orig``/``x_mask`` pairs, or plain
+    tensors. Every tensor with two or more dimensions is a reported layer; the
+    others (biases, norms) count in the ``*_all`` totals only. Each parameter
+    counts once, tied ones under their first name. The figures are the ones
+    :func:`prunekit.training.sparsity_report` gives for the same tensors.
 
     Example:
         >>> import torch, prunekit
@@ -235,11 +281,9 @@ def model_report(source: Union[nn.Module, Mapping[str, Tensor]]) -> ModelReport:
     """
     tensors, masked, kind = _effective_tensors(source)
     rep = ModelReport(source=kind)
+    rep.numel_all, rep.nonzero_all = _totals(tensors)
     groups = fit = blocks = zero_blocks = 0
     for name, t in tensors.items():
-        t = t.detach()
-        rep.numel_all += t.numel()
-        rep.nonzero_all += int((t != 0).sum())
         if t.dim() < 2:
             continue
         entry, g, f, b, zb = _measure(name, t, name in masked)
@@ -252,8 +296,8 @@ def model_report(source: Union[nn.Module, Mapping[str, Tensor]]) -> ModelReport:
         fit += f
         blocks += b
         zero_blocks += zb
-    rep.sparsity_layers = 1 - rep.nonzero_layers / rep.numel_layers if rep.numel_layers else 0.0
-    rep.sparsity_all = 1 - rep.nonzero_all / rep.numel_all if rep.numel_all else 0.0
+    rep.sparsity_layers = _fraction(rep.numel_layers - rep.nonzero_layers, rep.numel_layers)
+    rep.sparsity_all = _fraction(rep.numel_all - rep.nonzero_all, rep.numel_all)
     rep.channel_sparsity = rep.zero_channels / rep.channels if rep.channels else 0.0
     rep.fits_2_4 = fit / groups if groups else None  # None when no weight has the 2:4 layout
     rep.block_4x1_sparsity = zero_blocks / blocks if blocks else None

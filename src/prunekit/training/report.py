@@ -1,15 +1,21 @@
-"""Sparsity of a model as data: overall, per layer, element-wise and block-wise."""
+"""Sparsity of a model as data: overall, per layer, element-wise and block-wise.
+
+The figures are measured with the machinery of :func:`prunekit.report.model_report`
+(the same effective tensors, the same counting), so the two reports agree on
+every tensor they both cover; this one adds block-wise sparsity under any
+pruning pattern and selects layers by module name.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
-import torch
-from torch import nn
+from torch import Tensor, nn
 
-from . import _masking as mk
-from .patterns import Pattern, get_pattern
+from ..state_dict import dense_state_dict
+from ..report import _block_counts, _count, _effective_tensors, _fraction, _totals
+from .patterns import get_pattern
 
 __all__ = ["LayerSparsity", "SparsityReport", "sparsity_report"]
 
@@ -46,10 +52,22 @@ class SparsityReport:
         return asdict(self)
 
 
-def _effective(module: nn.Module, name: str) -> torch.Tensor:
-    if mk.is_reparametrized(module, name):
-        return mk.effective_weight(module, name)
-    return getattr(module, name).detach()
+def _layer_tensor(module: nn.Module, module_name: str, weight_name: str,
+                  tensors: Mapping[str, Tensor]) -> Tensor:
+    """The effective ``weight_name`` of ``module``, taken from the model's effective tensors.
+
+    A tensor missing there (a parameter tied to one met earlier under another
+    name, or a buffer) is read from the module, a pruned one baked by the same
+    :func:`prunekit.dense_state_dict`.
+    """
+    t = tensors.get(f"{module_name}.{weight_name}" if module_name else weight_name)
+    if t is not None:
+        return t
+    orig = getattr(module, weight_name + "_orig", None)
+    mask = getattr(module, weight_name + "_mask", None)
+    if orig is not None and mask is not None:
+        return dense_state_dict({"w_orig": orig.detach(), "w_mask": mask})["w"]
+    return getattr(module, weight_name).detach()  # AttributeError naming the module when it has none
 
 
 def sparsity_report(model: nn.Module, layers: Optional[Mapping[str, Optional[Any]]] = None,
@@ -58,7 +76,9 @@ def sparsity_report(model: nn.Module, layers: Optional[Mapping[str, Optional[Any
 
     ``layers`` maps module names to a pattern (string, :class:`Pattern` or
     ``None``) to report block-wise sparsity as well; by default every module
-    with a pruning mask is reported element-wise only.
+    with a pruning mask is reported element-wise only. Masked entries count
+    as zero, and the ``*_all`` totals count every parameter once (tied ones
+    too), exactly as :func:`prunekit.report.model_report` counts them.
 
     Example:
         >>> import torch, torch.nn as nn, prunekit
@@ -68,42 +88,40 @@ def sparsity_report(model: nn.Module, layers: Optional[Mapping[str, Optional[Any
         >>> r = sparsity_report(m, {"0": "1x2"})
         >>> r.layers[0].sparsity, r.layers[0].block_sparsity
         (0.5, 0.5)
+        >>> r.elementwise_over_all == prunekit.model_report(m).sparsity_all
+        True
     """
     named = dict(model.named_modules())
+    tensors, masked, _ = _effective_tensors(model)
     if layers is None:
-        layers = {n: None for n, m in named.items() if mk.is_reparametrized(m, weight_name)}
+        layers = {n: None for n in named if (f"{n}.{weight_name}" if n else weight_name) in masked}
     rep = SparsityReport()
     block_total = block_zero = 0
     any_blocks = False
     for name, pat in layers.items():
         if name not in named:
             raise ValueError(f"sparsity_report: the model has no module named {name!r}")
-        w = _effective(named[name], weight_name)
-        numel, zeros = w.numel(), int((w == 0).sum())
-        entry = LayerSparsity(name, tuple(w.shape), numel, zeros, zeros / numel if numel else 0.0)
+        w = _layer_tensor(named[name], name, weight_name, tensors)
+        numel, nonzero = _count(w)
+        zeros = numel - nonzero
+        entry = LayerSparsity(name, tuple(w.shape), numel, zeros, _fraction(zeros, numel))
         if pat is not None:
-            p: Pattern = get_pattern(pat)
-            if p.check(tuple(w.shape)) is None:
-                units = p.to_units(w != 0).any(dim=1)
+            p = get_pattern(pat)
+            counted = _block_counts(w != 0, p)
+            if counted is not None:
                 entry.pattern = p.name
-                entry.blocks = int(units.numel())
-                entry.zero_blocks = int((~units).sum())
-                entry.block_sparsity = entry.zero_blocks / entry.blocks if entry.blocks else 0.0
+                entry.blocks, entry.zero_blocks = counted
+                entry.block_sparsity = _fraction(entry.zero_blocks, entry.blocks)
                 block_total += entry.blocks
                 block_zero += entry.zero_blocks
                 any_blocks = True
         rep.layers.append(entry)
         rep.numel_layers += numel
         rep.zeros_layers += zeros
-    for mname, module in named.items():
-        for pname, p in module.named_parameters(recurse=False):
-            if pname.endswith("_orig") and mk.is_reparametrized(module, pname[:-5]):
-                pname = pname[:-5]
-            t = _effective(module, pname) if mk.is_reparametrized(module, pname) else p.detach()
-            rep.numel_all += t.numel()
-            rep.zeros_all += int((t == 0).sum())
-    rep.elementwise_over_layers = rep.zeros_layers / rep.numel_layers if rep.numel_layers else 0.0
-    rep.elementwise_over_all = rep.zeros_all / rep.numel_all if rep.numel_all else 0.0
+    rep.numel_all, nonzero_all = _totals(tensors)
+    rep.zeros_all = rep.numel_all - nonzero_all
+    rep.elementwise_over_layers = _fraction(rep.zeros_layers, rep.numel_layers)
+    rep.elementwise_over_all = _fraction(rep.zeros_all, rep.numel_all)
     if any_blocks:
-        rep.blockwise_over_layers = block_zero / block_total if block_total else 0.0
+        rep.blockwise_over_layers = _fraction(block_zero, block_total)
     return rep
