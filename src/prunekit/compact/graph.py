@@ -53,10 +53,11 @@ names the operation and the module, e.g. ``"op 'einsum' in module
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -115,6 +116,15 @@ POOL = _names(
 )
 MATMUL = _names("matmul __matmul__ __rmatmul__ bmm mm")
 HARMLESS_MUTATORS = _names("requires_grad_ retain_grad share_memory_")
+# one-tensor calls of these (no other argument) copy their input's labels when the shape is kept
+def _base(name: str) -> str:
+    """The out-of-place name of an in-place op ("add_" -> "add"; dunders unchanged)."""
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+
+
+_SAME_LABELS = frozenset(
+    n for n in POINTWISE | SAME | {p + "_" for p in POINTWISE | SAME} if _base(n) in POINTWISE | SAME
+) - {"__deepcopy__"}
 
 
 def _op_name(func: Any) -> str:
@@ -154,16 +164,46 @@ class Unit:
         return max(int(v.numel()) for v in self.members.values())
 
 
-@dataclass
 class Group:
-    """Units that span the same layer dimensions (e.g. conv1.out + bn1 + conv2.in)."""
+    """Units that span the same layer dimensions (e.g. conv1.out + bn1 + conv2.in).
 
-    slots: Tuple[Tuple[str, str], ...]
-    units: List[Unit]
-    blocked: Optional[str] = None  # reason this group cannot be pruned, or None
-    _index: Optional[Dict[Tuple[str, str], Tuple[Tensor, Tensor]]] = field(
-        default=None, init=False, repr=False, compare=False
-    )
+    ``units`` is built on first access (a graph can hold thousands); ``member_index()``
+    and ``slots`` never need it.
+    """
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
+
+    def __init__(
+        self, slots: Tuple[Tuple[str, str], ...], units: Optional[List[Unit]], blocked: Optional[str] = None
+    ) -> None:
+        self.slots = slots
+        self.blocked = blocked  # reason this group cannot be pruned, or None
+        self._units = units
+        # deferred units: (member keys in order, every unit's pieces in a row, units) -- see _collect
+        self._deferred: Optional[Tuple[Tuple[Tuple[str, str], ...], List[Tensor], int]] = None
+        self._index: Optional[Dict[Tuple[str, str], Tuple[Tensor, Tensor]]] = None
+
+    @classmethod
+    def _lazy(
+        cls, slots: Tuple[Tuple[str, str], ...], names: Tuple[Tuple[str, str], ...], pieces: List[Tensor],
+        count: int, blocked: Optional[str],
+    ) -> "Group":
+        g = cls(slots, None, blocked)
+        g._deferred = (names, pieces, count)
+        return g
+
+    @property
+    def units(self) -> List[Unit]:
+        if self._units is None:
+            names, pieces, count = self._deferred  # type: ignore[misc]
+            rows = zip(*[iter(pieces)] * len(names))  # one unit's pieces per row
+            self._units = list(map(Unit, map(dict, map(zip, itertools.repeat(names, count), rows))))
+            self._deferred = None
+        return self._units
+
+    @units.setter
+    def units(self, value: List[Unit]) -> None:
+        self._units, self._deferred, self._index = value, None, None
 
     @property
     def prunable(self) -> bool:
@@ -177,18 +217,29 @@ class Group:
         """
         if self._index is None:
             index: Dict[Tuple[str, str], Tuple[Tensor, Tensor]] = {}
-            for key in self.units[0].members if self.units else ():
-                parts = [u.members[key] for u in self.units]
+            if self._deferred is not None:
+                names, pieces, _ = self._deferred
+                per_key = [(key, pieces[j :: len(names)]) for j, key in enumerate(names)]
+            else:
+                keys = self._units[0].members if self._units else ()
+                per_key = [(key, [u.members[key] for u in self._units]) for key in keys]
+            for key, parts in per_key:
                 counts = torch.tensor([int(p.numel()) for p in parts])
                 index[key] = (torch.cat(parts), torch.repeat_interleave(torch.arange(len(parts)), counts))
             self._index = index
         return self._index
 
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return (self.slots, self.units, self.blocked) == (other.slots, other.units, other.blocked)  # type: ignore[attr-defined]
+
     def __repr__(self) -> str:
         names = ", ".join(f"{m}.{s}" for m, s in self.slots[:6])
         more = f", +{len(self.slots) - 6}" if len(self.slots) > 6 else ""
         state = "prunable" if self.blocked is None else f"blocked: {self.blocked}"
-        return f"Group({len(self.units)} units x{self.units[0].width() if self.units else 0} [{names}{more}]; {state})"
+        units = self.units
+        return f"Group({len(units)} units x{units[0].width() if units else 0} [{names}{more}]; {state})"
 
 
 @dataclass
@@ -241,6 +292,7 @@ class _UnionFind:
     def __init__(self) -> None:
         self.n = 0
         self._edges: List[Tensor] = []  # (k, 2) int64 rows to union
+        self._rows: List[Tuple[Tensor, Tensor]] = []  # (a, b): union a[i] with b[i]; stacked in solve()
         # ids, reason, and an optional tensor: only ids where it is < 0 (in the order recorded)
         self._blocks: List[Tuple[Tensor, str, Optional[Tensor]]] = []
         self.roots: Optional[Tensor] = None  # after solve(): root of every id
@@ -261,7 +313,7 @@ class _UnionFind:
     def union_rows(self, a: Tensor, b: Tensor) -> None:
         """Union ``a[i]`` with ``b[i]`` for every i (1-d, same length; negative ids are ignored)."""
         if a.numel():
-            self._edges.append(torch.stack([a, b], dim=1))
+            self._rows.append((a, b))
             self.roots = None
 
     def block(self, ids: Tensor, reason: str, where_negative: Optional[Tensor] = None) -> None:
@@ -278,6 +330,11 @@ class _UnionFind:
         if self.roots is not None:
             return self.roots
         parent = torch.arange(self.n, dtype=torch.long)
+        if self._rows:  # one stack for every union_rows() call
+            self._edges.append(
+                torch.stack([torch.cat([a for a, _ in self._rows]), torch.cat([b for _, b in self._rows])], dim=1)
+            )
+            self._rows = []
         if self._edges:
             edges = torch.cat(self._edges).to(torch.long)
             edges = edges[(edges >= 0).all(dim=1) & (edges[:, 0] != edges[:, 1])]
@@ -562,6 +619,16 @@ class Tracer:
         if name is None:
             name = _op_name(func)
         self.last_op = name
+        if (
+            len(args) == 1 and not kwargs and name in _SAME_LABELS and isinstance(out, Tensor) and isinstance(args[0], Tensor)
+        ):  # relu(x), x.float(), ...: the output has the input's labels (the common case)
+            x = args[0]
+            entry = self.shadows.get(id(x))
+            if entry is None or entry[0]() is not x:
+                return  # not a channel tensor: nothing to record
+            if out.shape == x.shape:
+                self.set_shadow(out, entry[1], core=entry[2], labeled=True)
+                return
         ins = [t for t in _tensors((args, kwargs)) if self.shadow(t) is not None]
         if not ins:
             return
@@ -851,11 +918,19 @@ class Tracer:
             hooks.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
             hooks.append(module.register_forward_hook(self._post, with_kwargs=True))
         tracer = self
+        op_names: Dict[Any, str] = {}
 
         class _Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
-                name = _op_name(func)
+                try:
+                    name = op_names[func]
+                except (KeyError, TypeError):  # first call of this function (or unhashable)
+                    name = _op_name(func)
+                    try:
+                        op_names[func] = name
+                    except TypeError:
+                        pass
                 try:
                     out = func(*args, **kwargs)
                 except Exception as exc:
@@ -980,13 +1055,21 @@ def build_dependency_graph(
             explicit.append(names[id(layer)])
         else:
             raise TypeError(f"ignored_layers must hold modules or module names, got {type(layer).__name__}")
-    tracer.run(example_inputs, explicit)
-    ignored = list(explicit)
-    if ignored_layers is None:
-        # The final classifier keeps its outputs (they are the model's outputs and were
-        # blocked above); its input columns follow the layer before it.
-        ignored = _default_final_layers(tracer)
-    return _collect(tracer, tuple(ignored))
+    # The build allocates many short-lived objects and frees them in order; the cyclic
+    # collector would only rescan them (about a tenth of the build), so it is paused.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        tracer.run(example_inputs, explicit)
+        ignored = list(explicit)
+        if ignored_layers is None:
+            # The final classifier keeps its outputs (they are the model's outputs and were
+            # blocked above); its input columns follow the layer before it.
+            ignored = _default_final_layers(tracer)
+        return _collect(tracer, tuple(ignored))
+    finally:
+        if gc_was_enabled:
+            gc.enable()
 
 
 def check_graph(graph: Any, model: nn.Module, ignored_layers: Optional[Sequence[Any]] = None) -> None:
@@ -1126,9 +1209,8 @@ def _collect(tracer: Tracer, ignored: Tuple[str, ...]) -> DependencyGraph:
         lo0, k = lo_of_first[gi], runs_of_first[gi]
         # members in slot order, as the slots were first seen
         names = tuple(keys[i] for i in run_slot[lo0 : lo0 + k])
-        rows = zip(*[iter(pieces[pos : pos + count * k])] * k)  # one unit's k pieces per row
-        units = list(map(Unit, map(dict, map(zip, itertools.repeat(names, count), rows))))
-        groups.append(Group(tuple(sorted(names)), units, blocked=uf.blocked.get(unit_roots[gi])))
+        # units are built on first access (Group.units): most callers need only member_index()
+        groups.append(Group._lazy(tuple(sorted(names)), names, pieces[pos : pos + count * k], count, uf.blocked.get(unit_roots[gi])))
         pos += count * k
     return DependencyGraph(tracer.model, groups, tracer.slots, tracer.handlers, ignored)
 
@@ -1141,15 +1223,21 @@ def _default_final_layers(tracer: Tracer) -> List[str]:
     not mistaken for a classifier.
     """
     roots = tracer.uf.solve()
-    candidates = []
-    for (mname, sname), info in tracer.slots.items():
+    blocked = tracer.uf.blocked
+    order = {n: i for i, n in enumerate(tracer.order)}
+    # the last-run candidate wins (the first one seen among equals): check the latest first
+    infos = sorted(tracer.slots.values(), key=lambda info: -order.get(info.module_name, -1))
+    for info in infos:
+        mname = info.module_name
         if info.spec.role != "out" or not tracer.handlers[mname].classifier:
             continue
+        if info.spec.size and blocked.get(int(roots[info.start])) != _OUTPUT_REASON:
+            continue  # cheap early reject: its first channel is not an output channel
         mine = roots[info.start : info.start + info.spec.size]
         uniq = set(mine.tolist())
         if len(uniq) != info.spec.size // max(info.spec.tie, 1):
             continue  # coupled with something else
-        if not all(tracer.uf.blocked.get(r) == _OUTPUT_REASON for r in uniq):
+        if not all(blocked.get(r) == _OUTPUT_REASON for r in uniq):
             continue
         # alone: no id of any other slot shares a component with these outputs
         mark = torch.zeros(roots.numel(), dtype=torch.bool)
@@ -1157,11 +1245,8 @@ def _default_final_layers(tracer: Tracer) -> List[str]:
         hits = mark[roots]
         hits[info.start : info.start + info.spec.size] = False
         if not bool(hits.any()):
-            candidates.append(mname)
-    if not candidates:
-        return []
-    order = {n: i for i, n in enumerate(tracer.order)}
-    return [max(candidates, key=lambda n: order.get(n, -1))]
+            return [mname]
+    return []
 
 
 _OUTPUT_REASON = "these channels are part of the model's output"

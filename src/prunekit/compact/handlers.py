@@ -179,15 +179,30 @@ def _has(module: nn.Module, path: str) -> bool:
     return getattr(mod, leaf, None) is not None or hasattr(mod, leaf + "_orig")
 
 
+_ENTRIES: Dict[tuple, Tuple[Entry, ...]] = {}
+
+
+def _entries(*spec: tuple) -> List[Entry]:
+    """A fresh list of (shared, frozen) ``Entry(*args)`` for each args tuple in ``spec``.
+
+    Entries are immutable, so one set per layout is built once and reused: the hot
+    handlers' :meth:`~ModuleHandler.slots` run once per module and graph.
+    """
+    got = _ENTRIES.get(spec)
+    if got is None:
+        got = _ENTRIES[spec] = tuple(Entry(*args) for args in spec)
+    return list(got)
+
+
 # ------------------------------------------------------------------ built-ins
 @register_handler(nn.Linear)
 class LinearHandler(ModuleHandler):
     classifier = True
 
     def slots(self, m: nn.Module) -> Dict[str, Slot]:
-        out = [Entry("weight", 0)] + ([Entry("bias", 0)] if _has(m, "bias") else [])
+        out = _entries(("weight", 0), ("bias", 0)) if _has(m, "bias") else _entries(("weight", 0))
         return {
-            "in": Slot(m.in_features, [Entry("weight", 1, role="in")], role="in"),
+            "in": Slot(m.in_features, _entries(("weight", 1, 0, "in")), role="in"),
             "out": Slot(m.out_features, out, role="out"),
         }
 
@@ -206,8 +221,8 @@ class ConvHandler(ModuleHandler):
     classifier = True
 
     def slots(self, m: nn.Module) -> Dict[str, Slot]:
-        out = [Entry("weight", 0)] + ([Entry("bias", 0)] if _has(m, "bias") else [])
-        ins = [Entry("weight", 1, role="in")] if m.groups == 1 else []
+        out = _entries(("weight", 0), ("bias", 0)) if _has(m, "bias") else _entries(("weight", 0))
+        ins = _entries(("weight", 1, 0, "in")) if m.groups == 1 else []
         return {"in": Slot(m.in_channels, ins, role="in"), "out": Slot(m.out_channels, out, role="out")}
 
     def trace(self, m, name, tracer, args, kwargs, output):
@@ -229,11 +244,9 @@ class ConvHandler(ModuleHandler):
 @register_handler(nn.modules.batchnorm._BatchNorm)
 class BatchNormHandler(ModuleHandler):
     def slots(self, m: nn.Module) -> Dict[str, Slot]:
-        e = []
-        if m.affine:
-            e += [Entry("weight", 0, role="norm"), Entry("bias", 0, role="norm")]
-        if m.track_running_stats and m.running_mean is not None:
-            e += [Entry("running_mean", 0, role="buffer"), Entry("running_var", 0, role="buffer")]
+        affine = ("weight", 0, 0, "norm"), ("bias", 0, 0, "norm")
+        stats = ("running_mean", 0, 0, "buffer"), ("running_var", 0, 0, "buffer")
+        e = _entries(*(affine if m.affine else ()), *(stats if m.track_running_stats and m.running_mean is not None else ()))
         return {"features": Slot(m.num_features, e, role="norm")}
 
     def trace(self, m, name, tracer, args, kwargs, output):
