@@ -264,6 +264,13 @@ def emit_json(data: Mapping[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def write_report(path: Optional[str], data: Mapping[str, Any]) -> None:
+    """Write ``data`` as the JSON report at ``path`` (nothing when ``path`` is None), as ``--json`` prints it."""
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, default=_json_default)
+
+
 def _json_default(o: Any) -> Any:
     if isinstance(o, tuple):
         return list(o)

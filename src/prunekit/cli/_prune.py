@@ -13,6 +13,7 @@ from ._common import (
     add_model_args,
     amount_type,
     emit_json,
+    write_report,
     existing_file,
     first_line,
     human_bytes,
@@ -202,9 +203,7 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.weights:
         data["weights_bytes"] = os.path.getsize(args.weights)
-    if args.report:
-        with open(args.report, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
+    write_report(args.report, data)
     if args.json:
         emit_json(data)
         return 0

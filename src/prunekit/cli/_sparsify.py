@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import copy
 from typing import Any, Dict, List
@@ -12,6 +11,7 @@ from ._common import (
     CliError,
     add_model_args,
     emit_json,
+    write_report,
     load_model,
     pct,
     print_table,
@@ -100,9 +100,7 @@ def run(args: argparse.Namespace) -> int:
         "device_note": rep.device_note, "model_dense_ms": dense_ms, "model_sparse_ms": sparse_ms,
         "model_speedup": dense_ms / sparse_ms if sparse_ms > 0 else None, "max_abs_diff": diff, "layers": layers,
     }
-    if args.report:
-        with open(args.report, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
+    write_report(args.report, data)
     if args.json:
         emit_json(data)
         return 0
