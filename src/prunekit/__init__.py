@@ -84,7 +84,7 @@ _LAZY = {
     "plot_layer_sparsity": ".report",
     "plot_accuracy_vs_sparsity": ".report",
 }
-_SUBMODULES = {"compact", "training", "sparse", "kernels", "reparam", "report", "demo", "cli"}
+_SUBMODULES = {"compact", "training", "sparse", "kernels", "reparam", "report", "demo", "cli", "importance"}
 
 
 def __getattr__(name: str) -> Any:
