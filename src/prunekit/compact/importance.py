@@ -1,4 +1,10 @@
-"""Group importance: one score per unit (channel, head), summed over every tensor the unit spans."""
+"""Group importance: one score per unit (channel, head), summed over every tensor the unit spans.
+
+The criteria are the importance registry's scorers (:mod:`prunekit.importance`):
+each tensor a unit spans adds its ``unit_partial``, and the sum is finalized
+once (``l2``: the square root). Any registered scorer that needs only the
+weights and/or gradients works here, a user's own included.
+"""
 
 from __future__ import annotations
 
@@ -7,29 +13,55 @@ from typing import Callable, Dict, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from ..importance import Scorer, UnitFunctionScorer, get_scorer, list_scorers
 from . import _masks
 from .graph import DependencyGraph, Group
 
-__all__ = ["group_importance", "IMPORTANCES"]
+__all__ = ["group_importance", "IMPORTANCES", "as_group_scorer"]
 
+#: the built-in choices (any registered scorer name is accepted too)
 IMPORTANCES = ("l1", "l2", "taylor", "random")
 
-
-def _per_index(t: Tensor, axis: int, kind: str, grad: Optional[Tensor]) -> Tensor:
-    if kind == "l1":
-        v = t.abs()
-    elif kind == "l2":
-        v = t.float() ** 2
-    else:  # taylor
-        v = (t * grad).abs()
-    return v.movedim(axis, 0).reshape(t.shape[axis], -1).sum(dim=1).float()
+Importance = Union[str, Scorer, Callable[[Tensor, int], Tensor]]
 
 
-def _taylor_grad(owner: torch.nn.Module, leaf: str, mname: str, path: str) -> Tensor:
+def as_group_scorer(importance: Importance) -> Optional[Scorer]:
+    """The scorer for ``importance`` (``None`` for ``"random"``, which draws one number per unit).
+
+    Example:
+        >>> from prunekit.compact.importance import as_group_scorer
+        >>> as_group_scorer("taylor").name
+        'snip'
+    """
+    if isinstance(importance, str):
+        if importance == "random":
+            return None
+        try:
+            scorer = get_scorer(importance)
+        except ValueError:
+            raise ValueError(
+                f"importance must be one of {IMPORTANCES} (or a scorer registered in prunekit.importance: "
+                f"{', '.join(list_scorers())}) or a callable, got {importance!r}"
+            ) from None
+    elif isinstance(importance, Scorer):
+        scorer = importance
+    elif callable(importance):
+        return UnitFunctionScorer(importance)
+    else:
+        raise TypeError(f"importance must be a name, a Scorer or a callable f(tensor, axis), got {importance!r}")
+    if scorer.needs_calibration:
+        raise ValueError(
+            f"importance {scorer.name!r} needs a calibration pass ({', '.join(sorted(scorer.needs))}), which "
+            "prune_groups does not run; use a weight or gradient criterion (l1, l2, taylor)"
+        )
+    return scorer
+
+
+def _grad(owner: torch.nn.Module, leaf: str, mname: str, path: str, name: str) -> Tensor:
     grad = _masks.raw(owner, leaf).grad
     if grad is None:
         raise ValueError(
-            f"importance='taylor' needs gradients: '{mname}.{path}' has no .grad; "
+            f"importance={name!r} needs gradients: '{mname}.{path}' has no .grad; "
             "run loss.backward() on a batch before prune_groups"
         )
     return grad
@@ -38,7 +70,7 @@ def _taylor_grad(owner: torch.nn.Module, leaf: str, mname: str, path: str) -> Te
 def group_importance(
     graph: DependencyGraph,
     group: Group,
-    importance: Union[str, Callable[[Tensor, int], Tensor]] = "l1",
+    importance: Importance = "l1",
     generator: Optional[torch.Generator] = None,
 ) -> Tensor:
     """Scores of ``group``'s units (higher = more important).
@@ -46,7 +78,8 @@ def group_importance(
     ``"l1"``: sum of |w| over every weight the unit spans (producer rows, norm
     parameters, consumer columns); ``"l2"``: the square root of the sum of w^2;
     ``"taylor"``: sum of |w * dL/dw| (run ``loss.backward()`` first); ``"random"``;
-    or a callable ``f(tensor, axis) -> per-index scores``.
+    any other scorer of :mod:`prunekit.importance` by name or object; or a
+    callable ``f(tensor, axis) -> per-index scores``.
 
     Example:
         >>> import torch
@@ -58,10 +91,10 @@ def group_importance(
         torch.Size([3])
     """
     n = len(group.units)
-    if isinstance(importance, str) and importance not in IMPORTANCES:
-        raise ValueError(f"importance must be one of {IMPORTANCES} or a callable, got {importance!r}")
-    if importance == "random":
+    scorer = as_group_scorer(importance)
+    if scorer is None:
         return torch.rand(n, generator=generator)
+    label = importance if isinstance(importance, str) else scorer.name
     scores = torch.zeros(n)
     cache: Dict[Tuple[str, str, int], Tensor] = {}  # q/k/v slots share one tensor and axis
     for mname, e, idx, unit_of in graph.entries(group):
@@ -70,13 +103,8 @@ def group_importance(
         if per is None:
             owner, leaf = _masks.owner_of(graph.module(mname), e.path)
             t = _masks.effective(owner, leaf)
-            if callable(importance):
-                per = importance(t, e.axis).float()
-            else:
-                grad = _taylor_grad(owner, leaf, mname, e.path) if importance == "taylor" else None
-                per = _per_index(t, e.axis, importance, grad)
+            grad = _grad(owner, leaf, mname, e.path, label) if scorer.needs_gradient else None
+            per = scorer.unit_partial(t, e.axis, grad=grad)
             cache[key] = per
         scores.index_add_(0, unit_of, per[idx])
-    if importance == "l2":
-        scores = scores.sqrt()
-    return scores
+    return scorer.unit_finalize(scores)

@@ -11,9 +11,10 @@ import torch
 from torch import Tensor, nn
 
 from .._backend import require_torch
+from ..importance import Scorer
 from . import _masks
 from .graph import DependencyGraph, Group, build_dependency_graph, check_graph
-from .importance import group_importance
+from .importance import as_group_scorer, group_importance
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def prune_groups(
     example_inputs: Any,
     amount: float,
     *,
-    importance: Union[str, Callable[[Tensor, int], Tensor]] = "l1",
+    importance: Union[str, Scorer, Callable[[Tensor, int], Tensor]] = "l1",
     scope: str = "local",
     ignored_layers: Optional[Sequence[Any]] = None,
     round_to: Optional[int] = None,
@@ -63,7 +64,8 @@ def prune_groups(
 
     Args:
         amount: fraction in [0, 1) of units to remove.
-        importance: ``"l1"``, ``"l2"``, ``"taylor"`` (needs ``.grad``), ``"random"`` or a callable.
+        importance: ``"l1"``, ``"l2"``, ``"taylor"`` (needs ``.grad``), ``"random"``, any scorer
+            registered in :mod:`prunekit.importance` (name or object), or a callable ``f(tensor, axis)``.
         scope: ``"local"`` (each group loses ``amount``) or ``"global"`` (the lowest
             ``amount`` of all units, scores normalized by each group's mean).
         ignored_layers: modules/names left alone (default: the final classifier).
@@ -90,6 +92,7 @@ def prune_groups(
         raise ValueError(f"scope must be 'local' or 'global', got {scope!r}")
     if round_to is not None and (not isinstance(round_to, int) or round_to < 1):
         raise ValueError(f"round_to must be a positive int or None, got {round_to!r}")
+    as_group_scorer(importance)  # an unknown or unusable criterion fails before any tracing
     if graph is None:
         graph = build_dependency_graph(model, example_inputs, ignored_layers=ignored_layers, exact=exact)
     else:
