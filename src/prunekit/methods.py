@@ -4,7 +4,9 @@ Each method's ``compute_mask(t, default_mask)`` has torch's semantics: the
 same amount rules, the same random-number consumption (so ``random_*`` give
 torch's masks under the same seed) and exactly ``k`` units pruned. The
 magnitude selection is prunekit's linear-time kernel
-(:mod:`prunekit.kernels.select`) instead of a full ``topk``.
+(:mod:`prunekit.kernels.select`) instead of a full ``topk``. The criteria are
+the importance registry's (:mod:`prunekit.importance`): ``magnitude`` for
+``L1Unstructured``, ``ln`` (the kernels' channel norms) for ``LnStructured``.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from . import reparam
 from ._backend import TORCH, backend_of, is_tensor, same_backend
 from .base import BasePruningMethod, is_lazy_ones
 from .errors import PruningError
+from .importance import LnNorm, Magnitude
 from .kernels.amount import (
     Amount,
     compute_nparams_to_prune,
     validate_pruning_amount,
     validate_pruning_amount_init,
 )
-from .kernels.norms import NormOrder, channel_norms, validate_norm_order
+from .kernels.norms import NormOrder, validate_norm_order
 from .kernels.select import keep_mask_smallest
 
 __all__ = [
@@ -134,6 +137,8 @@ class L1Unstructured(BasePruningMethod):
 
     PRUNING_TYPE = "unstructured"
     _lazy_default_ok = True
+    #: the registry's criterion (ranks by |t|: the kernel reads ``t`` itself, no copy)
+    scorer = Magnitude()
 
     def __init__(self, amount: Amount) -> None:
         validate_pruning_amount_init(amount)
@@ -144,7 +149,8 @@ class L1Unstructured(BasePruningMethod):
         nparams_toprune = _count(self.amount, tensor_size)
         if nparams_toprune == 0:
             return default_mask
-        return _with_keep(default_mask, keep_mask_smallest(t, nparams_toprune).view(t.shape))
+        ranked = self.scorer.ranking_input(t)
+        return _with_keep(default_mask, keep_mask_smallest(ranked, nparams_toprune).view(t.shape))
 
     def _combine_fast(self, t: Tensor, mask: Tensor) -> Optional[Tensor]:
         # Rank only entries whose mask is 1, in place instead of gathering them.
@@ -155,7 +161,7 @@ class L1Unstructured(BasePruningMethod):
         nparams_toprune = _count(self.amount, remaining)
         if nparams_toprune == 0:
             return mask
-        return mask * keep_mask_smallest(t, nparams_toprune, eligible).view(t.shape)
+        return mask * keep_mask_smallest(self.scorer.ranking_input(t), nparams_toprune, eligible).view(t.shape)
 
     @classmethod
     def apply(cls, module: nn.Module, name: str, amount: Amount, importance_scores: Optional[Tensor] = None,  # type: ignore[override]
@@ -214,7 +220,7 @@ class LnStructured(BasePruningMethod):
         if nparams_toprune == 0:
             return default_mask
         b = backend_of(t) or TORCH
-        norm = channel_norms(t, self.n, dim)
+        norm = LnNorm(self.n).unit_scores(t, dim)  # the registry's "ln": the kernels' channel norms
         nan = norm.isnan()
         if bool(nan.any()):
             raise ValueError(
