@@ -28,7 +28,7 @@ from .kernels.amount import (
     validate_pruning_amount_init,
 )
 from .kernels.norms import NormOrder, validate_norm_order
-from .kernels.select import keep_mask_smallest
+from .kernels.select import keep_mask_smallest, select_lowest
 
 __all__ = [
     "CustomFromMask",
@@ -227,9 +227,10 @@ class LnStructured(BasePruningMethod):
                 f"{int(nan.sum())} channel norm(s) are NaN (NaN in the weights or scores); "
                 f"no channel order exists. Replace NaN first (e.g. {b.name}.nan_to_num)"
             )
-        indices = b.topk(norm, k=tensor_size - nparams_toprune, largest=True)[1]
-        keep = b.ns.zeros(tensor_size, dtype=b.bool, device=t.device)
-        keep[indices] = True
+        # the lowest norms, ties by position (lowest channel first): the same channels on every backend
+        keep = ~select_lowest(norm, nparams_toprune)
+        if keep.device != t.device:
+            keep = keep.to(t.device)
         return _with_keep(default_mask, _channel_mask(keep, t, dim))
 
     @classmethod

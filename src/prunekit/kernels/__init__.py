@@ -6,13 +6,14 @@ from .amount import (
     validate_pruning_amount_init,
 )
 from .norms import channel_norms
-from .select import keep_mask_smallest, keep_mask_smallest_multi
+from .select import keep_mask_smallest, keep_mask_smallest_multi, select_lowest
 
 __all__ = [
     "channel_norms",
     "compute_nparams_to_prune",
     "keep_mask_smallest",
     "keep_mask_smallest_multi",
+    "select_lowest",
     "validate_pruning_amount",
     "validate_pruning_amount_init",
 ]

@@ -15,12 +15,20 @@ the IEEE-754 bit patterns instead:
 3. only that bucket's entries — a tiny fraction — are gathered and ranked
    exactly with ``kthvalue``.
 
-Ties at the threshold are broken by position (flat order, tensor after
-tensor), so exactly ``k`` entries are selected whatever the data. Entries that
+Ties at the threshold are broken by position: the lowest flat index is
+selected first (row-major order, tensor after tensor), so exactly ``k``
+entries are selected whatever the data, and the same entries on every backend
+and every run. Entries that
 are not eligible (already pruned) go to a bucket above every real magnitude,
 so they are never selected. NaN has no magnitude order: scores with NaN are
 rejected with a ``ValueError``; ``inf`` ranks as the largest magnitude.
 Scores of other real dtypes (integers) are ranked as float64.
+
+:func:`select_lowest` is the same rule for signed values (``-inf`` first,
+``+inf`` last): the ``k`` smallest values, ties at the threshold taken by
+position. Channel norms, pattern units and layer budgets use it, so every
+method breaks ties alike (``torch.topk``'s choice among equal values is
+unspecified and differs between backends and sizes).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from torch import Tensor
 
 from .._backend import TORCH, Backend, backend_of
 
-__all__ = ["NaNScoresError", "keep_mask_smallest", "keep_mask_smallest_multi"]
+__all__ = ["NaNScoresError", "keep_mask_smallest", "keep_mask_smallest_multi", "select_lowest"]
 
 _BUCKETS = 1 << 15
 _SENTINEL = _BUCKETS - 1  # above every finite or infinite magnitude: ineligible entries go here
@@ -178,3 +186,43 @@ def keep_mask_smallest(scores: Tensor, k: int, eligible: Optional[Tensor] = None
         [True, False, False, True]
     """
     return keep_mask_smallest_multi([scores], k, None if eligible is None else [eligible])[0]
+
+
+def select_lowest(values: Tensor, k: int) -> Tensor:
+    """Boolean tensor shaped like ``values``: ``True`` at its ``k`` smallest entries.
+
+    Signed order (``-inf`` smallest, ``+inf`` largest, ``-0.0 == 0.0``); among
+    entries equal to the ``k``-th smallest value the lowest flat positions are
+    taken first, so exactly ``k`` entries are chosen, the same ones on every
+    backend. Only the ``k``-th value is computed (``kthvalue``), never an index
+    choice among ties. NaN raises :class:`NaNScoresError`.
+
+    Example:
+        >>> import torch
+        >>> select_lowest(torch.tensor([3.0, 1.0, 2.0, 1.0, 1.0]), k=2).tolist()
+        [False, True, False, True, False]
+        >>> select_lowest(torch.tensor([[0.0, float("-inf")], [-0.0, 5.0]]), k=2).tolist()
+        [[True, True], [False, False]]
+    """
+    b = backend_of(values) or TORCH
+    flat = values.detach().reshape(-1)
+    n = flat.numel()
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= n:
+        raise ValueError(f"cannot select k={k!r} entries out of {n}")
+    if values.dtype == b.bool or values.dtype.is_complex:
+        raise TypeError(f"select_lowest needs real numbers, got a tensor of dtype {b.dtype_label(values.dtype)}")
+    chosen = b.ns.zeros((n,), dtype=b.bool, device=flat.device)
+    if k == 0:
+        return chosen.view(tuple(values.shape))
+    if flat.is_floating_point():
+        n_nan = int(b.ns.isnan(flat).sum())
+        if n_nan:
+            raise NaNScoresError(f"scores contain {n_nan} NaN value(s); NaN has no order, so no exact count "
+                                 "can be selected. Replace them first (e.g. torch.nan_to_num)")
+    threshold = b.kthvalue(flat, k)[0]
+    below = flat < threshold
+    need = k - int(below.sum())
+    tied = flat == threshold
+    rank = tied.to(b.int64).cumsum(0)  # 1, 2, ... along the tied entries, in flat order
+    chosen = below | (tied & (rank <= need))
+    return chosen.view(tuple(values.shape))

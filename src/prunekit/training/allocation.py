@@ -21,6 +21,7 @@ from typing import List, Sequence
 from torch import Tensor
 
 from .._backend import TORCH, backend_of
+from ..kernels.select import select_lowest
 
 __all__ = ["local_counts", "global_counts", "check_feasible"]
 
@@ -175,8 +176,8 @@ def global_counts(budget: int, unit_scores: Sequence[Tensor], unit_numel: Sequen
     if uniform:
         u = unit_numel[0]
         k = min(int(round(remaining / u)), scores.numel())
-        idx = b.topk(scores, k, largest=False, sorted=False)[1]
-        add = b.ns.bincount(layers[idx], minlength=n)
+        # the k lowest candidates, ties by position (layer order, then unit order)
+        add = b.ns.bincount(layers[select_lowest(scores, k)], minlength=n)
         return [c + int(a) for c, a in zip(counts, add.tolist())]
     order = b.ns.argsort(scores, stable=True)
     for j in order.tolist():

@@ -53,6 +53,7 @@ from typing import Optional, Sequence, Tuple
 from torch import Tensor
 
 from .._backend import TORCH, Backend, backend_of
+from ..kernels.select import select_lowest as _select_lowest
 
 __all__ = [
     "Pattern",
@@ -124,8 +125,9 @@ def _out_channels(shape: Sequence[int]) -> int:
 def select_lowest(scores: Tensor, k: int) -> Tensor:
     """Boolean mask of exactly ``k`` entries with the lowest ``scores`` (1-D).
 
-    Entries scored ``+inf`` are never chosen; ties are broken arbitrarily but
-    the count is always exactly ``k``.
+    Entries scored ``+inf`` are never chosen; among equal scores the lowest
+    positions are chosen first (:func:`prunekit.kernels.select.select_lowest`),
+    so the count is always exactly ``k`` and the choice is the same on every backend.
 
     Example:
         >>> import torch
@@ -140,9 +142,7 @@ def select_lowest(scores: Tensor, k: int) -> Tensor:
     finite = int(b.ns.isfinite(scores).sum()) + int((scores == float("-inf")).sum())
     if k > finite:
         raise ValueError(f"cannot select {k} entries: only {finite} are eligible")
-    idx = b.topk(scores, k, largest=False, sorted=False)[1]
-    out[idx] = True
-    return out
+    return _select_lowest(scores, k)
 
 
 class Pattern:
@@ -180,7 +180,7 @@ class Pattern:
 
     def unit_scores(self, scores: Tensor) -> Tensor:
         """Score of each unit: the mean of its entries' scores (1-D, ``n_units``)."""
-        return self.to_units(scores.float()).mean(dim=1)
+        return _b(scores).row_mean(self.to_units(scores.float()))
 
     def expand(self, unit_keep: Tensor, shape: Sequence[int]) -> Tensor:
         """Element mask of ``shape`` from a 1-D per-unit keep mask."""
