@@ -2,8 +2,20 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Hypothesis profiles. "ci" (the default, what `make test` and .ci/run use) is
+# derandomized: each test draws the same examples on every run (a seed derived
+# from the test itself), and no example database is read or written, so an
+# unchanged tree always gives the same result. "explore" draws fresh random
+# examples each run, for hunting bugs locally:
+#     HYPOTHESIS_PROFILE=explore .venv/bin/python -m pytest tests/test_conformance.py
+# (a failure prints the example, to be kept with @example).
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True)
