@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo bench clean
+.PHONY: test lint demo bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e ".[test]" "$(TORCH)"
 	touch $(STAMP)
 
-test: $(STAMP)
+# Static checks (configured in pyproject.toml); `make test` runs them first, so CI does too.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+
+test: lint
 	$(PY) -m pytest tests
 
 demo: $(STAMP)

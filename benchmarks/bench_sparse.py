@@ -177,8 +177,6 @@ def bench_minilm(quick: bool) -> None:
     for _, m in linears:
         prunekit.l1_unstructured(m, "weight", amount=0.9)
         prunekit.remove(m, "weight")
-    with torch.no_grad():
-        ref = model(**inputs).last_hidden_state
 
     tmp = tempfile.mkdtemp(prefix="bench_sparse_")
     dense_path, comp_path = os.path.join(tmp, "dense.safetensors"), os.path.join(tmp, "comp.safetensors")

@@ -136,7 +136,7 @@ def test_module_state_dicts_and_compressed_file_agree(tmp_path, mask_dtype):
     prunekit.ln_structured(m[2], "weight", amount=0.5, n=2, dim=0, mask_dtype=mask_dtype)
     from_module = model_report(m)
     from_sd = model_report(m.state_dict())
-    from prunekit.sparse import load_compressed, save_compressed
+    from prunekit.sparse import save_compressed
 
     path = tmp_path / "m.safetensors"
     save_compressed(m, path)

@@ -297,10 +297,10 @@ def test_caps_are_honoured_and_redistributed(framework, fdigits):
         with fw.no_grad():
             model[4].weight.mul_(0.001)
         opt = optim(fw).SGD(model.parameters(), lr=0.1)
-        pruning = prepare_pruning(model, {"prune_type": "magnitude", "pattern": "1x1", "target_sparsity": 0.7,
-                                          "prune_domain": scope, "max_sparsity_ratio_per_layer": 0.72,
-                                          "min_sparsity_ratio_per_layer": 0.65, "start_step": 0, "end_step": 6,
-                                          "update_frequency_on_step": 2}, opt)
+        _pruning = prepare_pruning(model, {"prune_type": "magnitude", "pattern": "1x1", "target_sparsity": 0.7,
+                                           "prune_domain": scope, "max_sparsity_ratio_per_layer": 0.72,
+                                           "min_sparsity_ratio_per_layer": 0.65, "start_step": 0, "end_step": 6,
+                                           "update_frequency_on_step": 2}, opt)  # kept alive while training
         train(model, opt, x, y, 8)
         zeros = {n: int((m.weight_mask == 0).sum()) for n, m in model.named_modules() if hasattr(m, "weight_mask")}
         numel = {n: m.weight_mask.numel() for n, m in model.named_modules() if hasattr(m, "weight_mask")}

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from .base import BasePruningMethod

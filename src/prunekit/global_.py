@@ -17,7 +17,6 @@ import logging
 from collections.abc import Iterable
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
 from torch import Tensor, nn
 
 from . import reparam

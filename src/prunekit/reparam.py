@@ -30,9 +30,8 @@ from __future__ import annotations
 
 import difflib
 import weakref
-from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Iterator, Optional, Tuple
 
-import torch
 from torch import Tensor, nn
 
 from ._backend import TORCH, Backend, backend_of, backend_of_class, is_module, is_tensor

@@ -11,12 +11,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Dict, Mapping, Union
 
-import torch
 from torch import Tensor, nn
 
 from . import reparam
 from ._backend import TORCH, backend_of, is_module, is_tensor
-from .base import BasePruningMethod
 
 __all__ = ["StateDictMismatchError", "dense_state_dict", "load_state_dict"]
 

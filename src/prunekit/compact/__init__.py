@@ -57,4 +57,5 @@ __all__ = [
     "rebuild_from_description",
     "register_handler",
     "save_compacted",
+    "zero_units",
 ]

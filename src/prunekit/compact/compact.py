@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 __all__ = [
     "Entry",

@@ -6,10 +6,8 @@ import math
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.overrides import TorchFunctionMode
-
-from . import _masks
 
 __all__ = ["count_macs", "count_params"]
 

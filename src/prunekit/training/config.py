@@ -58,7 +58,7 @@ import numbers
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from .patterns import get_pattern
 from .registry import PRUNERS, did_you_mean

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 from torch import Tensor
 
