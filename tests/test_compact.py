@@ -417,3 +417,19 @@ def test_rebuild_with_an_unknown_module_leaves_the_model_unchanged():
     with pytest.raises(ValueError, match="names module 'nope'"):
         load_compacted(fresh, {}, desc)
     assert {k: v.shape for k, v in fresh.state_dict().items()} == before
+
+
+def test_handler_interface_is_checked_at_registration():
+    from prunekit.compact import TracerAPI
+    from prunekit.compact.tracer import Tracer
+
+    class Half(ModuleHandler):
+        def slots(self, m):
+            return {}
+
+    reg = HandlerRegistry()
+    with pytest.raises(TypeError, match="Half must implement trace"):
+        register_handler(nn.Linear, registry=reg)(Half)
+    assert reg.lookup(nn.Linear(2, 2)) is None
+    # the tracer handed to handlers provides the documented interface
+    assert isinstance(Tracer(nn.Linear(2, 2), reg), TracerAPI)

@@ -27,14 +27,16 @@ from .compact import (
     save_compacted,
     zero_units,
 )
-from .graph import DependencyGraph, Group, TraceError, Unit, build_dependency_graph
-from .handlers import REGISTRY, Entry, HandlerRegistry, ModuleHandler, Slot, register_handler
+from .errors import CompactionError, TraceError
+from .graph import DependencyGraph, Group, Unit, build_dependency_graph
+from .handlers import REGISTRY, Entry, HandlerRegistry, ModuleHandler, Slot, TracerAPI, register_handler
 from .importance import group_importance
 from .macs import count_macs, count_params
 from .modules import PrunedMultiheadAttention
 from .prune import GroupDecision, prune_groups
 
 __all__ = [
+    "CompactionError",
     "DependencyGraph",
     "Entry",
     "Group",
@@ -45,6 +47,7 @@ __all__ = [
     "REGISTRY",
     "Slot",
     "TraceError",
+    "TracerAPI",
     "Unit",
     "build_dependency_graph",
     "compact",

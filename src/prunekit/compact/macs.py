@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .inputs import split_inputs
+
 __all__ = ["count_macs", "count_params"]
 
 
@@ -70,9 +72,7 @@ def count_macs(model: nn.Module, example_inputs: Any) -> int:
         >>> count_macs(torch.nn.Linear(8, 4), torch.randn(3, 8))
         96
     """
-    from .graph import _split_inputs
-
-    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = split_inputs(example_inputs)
     mode = _MacMode()
     was = [(m, m.training) for m in model.modules()]
     model.eval()

@@ -1,0 +1,157 @@
+"""From the solved union-find to units and groups (vectorized: a few sorts, no per-channel loops)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from .results import DependencyGraph, Group
+from .tracer import OUTPUT_REASON, Tracer
+
+__all__ = ["collect", "default_final_layers"]
+
+
+def collect(tracer: Tracer, ignored: Tuple[str, ...]) -> DependencyGraph:
+    """Units (components of slot ids) grouped by the slots they span and their blocked reason.
+
+    Units are ordered by their smallest id and groups by their first unit, i.e. by the
+    order in which the slots were first seen.
+    """
+    uf = tracer.uf
+    roots = uf.solve()
+    keys = list(tracer.slots)
+    if not keys:
+        return DependencyGraph(tracer.model, [], tracer.slots, tracer.handlers, ignored)
+    infos = [tracer.slots[k] for k in keys]
+    starts = torch.tensor([i.start for i in infos])
+    sizes = torch.tensor([i.spec.size for i in infos])
+    if [i.start for i in infos] == list(itertools.accumulate([0] + [i.spec.size for i in infos[:-1]])):
+        ids = torch.arange(int(sizes.sum()))  # slots own consecutive id ranges, in the order seen
+    else:
+        ids = torch.cat([torch.arange(i.start, i.start + i.spec.size) for i in infos])
+    slot_no = torch.repeat_interleave(torch.arange(len(keys)), sizes)
+    index = ids - torch.repeat_interleave(starts, sizes)  # position inside its slot
+    r = roots[ids]
+    # sort by (root, slot, index): consecutive runs are one unit's members
+    order = torch.argsort((r * len(keys) + slot_no) * (int(sizes.max()) + 1) + index)
+    r, slot_no, index = r[order], slot_no[order], index[order]
+    # runs of equal (root, slot): one member tensor each
+    run_key = r * len(keys) + slot_no
+    run_start = torch.ones_like(run_key, dtype=torch.bool)
+    run_start[1:] = run_key[1:] != run_key[:-1]
+    starts_at = run_start.nonzero().view(-1)
+    run_len = torch.diff(torch.cat([starts_at, torch.tensor([run_key.numel()])])).tolist()
+    run_root = r[starts_at]
+    # runs of equal root: one unit each
+    unit_start = torch.ones_like(run_root, dtype=torch.bool)
+    unit_start[1:] = run_root[1:] != run_root[:-1]
+    first_run = unit_start.nonzero().view(-1)
+    n_units = int(first_run.numel())
+    unit_of_run = torch.cumsum(unit_start, 0) - 1
+    # A unit's signature: its set of slots and its blocked reason. Units are grouped by a
+    # random 63-bit hash of the slot set, then every group is checked exactly (no reliance
+    # on the hash being collision-free).
+    run_slot_t = slot_no[starts_at]
+    weights = torch.randint(1, 2**62, (len(keys),), generator=torch.Generator().manual_seed(0))
+    h = torch.zeros(n_units, dtype=torch.long).index_add_(0, unit_of_run, weights[run_slot_t])
+    reasons = list(dict.fromkeys(uf.blocked.values()))
+    reason_of_root = torch.full((uf.n,), -1, dtype=torch.long)
+    if uf.blocked:
+        reason_no = {r: i for i, r in enumerate(reasons)}
+        reason_of_root[torch.tensor(list(uf.blocked))] = torch.tensor([reason_no[r] for r in uf.blocked.values()])
+    unit_root_t = run_root[first_run]
+    _, h_id = torch.unique(h, return_inverse=True)
+    _, sig_of_unit = torch.unique(h_id * (len(reasons) + 1) + reason_of_root[unit_root_t] + 1, return_inverse=True)
+    # exact check: same run count and the same slot sequence as the group's first unit
+    n_runs = torch.diff(torch.cat([first_run, torch.tensor([run_root.numel()])]))
+    first_of_sig = torch.full((int(sig_of_unit.max()) + 1,), n_units, dtype=torch.long)
+    first_of_sig.scatter_reduce_(0, sig_of_unit, torch.arange(n_units), reduce="amin")
+    ref = first_of_sig[sig_of_unit]  # per unit: the first unit of its group
+    exact = bool((n_runs == n_runs[ref]).all())
+    if exact:
+        pos = torch.arange(run_slot_t.numel()) - first_run[unit_of_run]
+        exact = bool((run_slot_t == run_slot_t[first_run[ref[unit_of_run]] + pos]).all())
+    if not exact:  # a hash collision: signatures as tuples instead
+        run_slot = run_slot_t.tolist()
+        sig_keys: Dict[Tuple[Any, ...], int] = {}
+        ids_list = [
+            sig_keys.setdefault((tuple(run_slot[lo:hi]), r), len(sig_keys))
+            for lo, hi, r in zip(first_run.tolist(), first_run.tolist()[1:] + [run_root.numel()], reason_of_root[unit_root_t].tolist())
+        ]
+        sig_of_unit = torch.tensor(ids_list)
+    # groups in the order of their first unit; units of a group in order
+    n_sig = int(sig_of_unit.max()) + 1
+    if not exact:
+        first_of_sig = torch.full((n_sig,), n_units, dtype=torch.long)
+        first_of_sig.scatter_reduce_(0, sig_of_unit, torch.arange(n_units), reduce="amin")
+    sig_order = torch.argsort(first_of_sig)
+    rank = torch.empty_like(sig_order)
+    rank[sig_order] = torch.arange(n_sig)
+    unit_rank = rank[sig_of_unit]
+    unit_order = torch.argsort(unit_rank, stable=True)
+    per_group = torch.bincount(unit_rank, minlength=n_sig).tolist()
+    # the runs in group order (units of a group in order, a unit's runs in slot order), so
+    # each group's members are one contiguous stretch of ``pieces``
+    runs_sorted = n_runs[unit_order]
+    run_perm = torch.repeat_interleave(first_run[unit_order] - (torch.cumsum(runs_sorted, 0) - runs_sorted), runs_sorted)
+    run_perm += torch.arange(run_perm.numel())
+    # one index tensor per (unit, slot); single indices share one tensor per value
+    singles = torch.arange(int(sizes.max())).view(-1, 1).unbind()
+    if max(run_len) == 1:  # every run is one id: runs and ids coincide
+        pieces = list(map(singles.__getitem__, index[run_perm].tolist()))
+    else:
+        split = list(torch.split(index, run_len))
+        for k in (torch.tensor(run_len) == 1).nonzero().view(-1).tolist():
+            split[k] = singles[int(split[k])]
+        pieces = list(map(split.__getitem__, run_perm.tolist()))
+    run_slot = run_slot_t.tolist()
+    first_units = first_of_sig[sig_order]
+    unit_roots = unit_root_t[first_units].tolist()
+    lo_of_first = first_run[first_units].tolist()
+    runs_of_first = n_runs[first_units].tolist()
+    groups: List[Group] = []
+    pos = 0
+    for gi, count in enumerate(per_group):
+        lo0, k = lo_of_first[gi], runs_of_first[gi]
+        # members in slot order, as the slots were first seen
+        names = tuple(keys[i] for i in run_slot[lo0 : lo0 + k])
+        # units are built on first access (Group.units): most callers need only member_index()
+        groups.append(Group._lazy(tuple(sorted(names)), names, pieces[pos : pos + count * k], count, uf.blocked.get(unit_roots[gi])))
+        pos += count * k
+    return DependencyGraph(tracer.model, groups, tracer.slots, tracer.handlers, ignored)
+
+
+def default_final_layers(tracer: Tracer) -> List[str]:
+    """The final classifier: the last-run weight layer whose outputs are model outputs on their own.
+
+    "On their own" means its output channels are coupled to nothing else (no residual
+    add), so a transformer block's last projection, which feeds a residual stream, is
+    not mistaken for a classifier.
+    """
+    roots = tracer.uf.solve()
+    blocked = tracer.uf.blocked
+    order = {n: i for i, n in enumerate(tracer.order)}
+    # the last-run candidate wins (the first one seen among equals): check the latest first
+    infos = sorted(tracer.slots.values(), key=lambda info: -order.get(info.module_name, -1))
+    for info in infos:
+        mname = info.module_name
+        if info.spec.role != "out" or not tracer.handlers[mname].classifier:
+            continue
+        if info.spec.size and blocked.get(int(roots[info.start])) != OUTPUT_REASON:
+            continue  # cheap early reject: its first channel is not an output channel
+        mine = roots[info.start : info.start + info.spec.size]
+        uniq = set(mine.tolist())
+        if len(uniq) != info.spec.size // max(info.spec.tie, 1):
+            continue  # coupled with something else
+        if not all(blocked.get(r) == OUTPUT_REASON for r in uniq):
+            continue
+        # alone: no id of any other slot shares a component with these outputs
+        mark = torch.zeros(roots.numel(), dtype=torch.bool)
+        mark[mine] = True
+        hits = mark[roots]
+        hits[info.start : info.start + info.spec.size] = False
+        if not bool(hits.any()):
+            return [mname]
+    return []

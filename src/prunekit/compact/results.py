@@ -1,0 +1,142 @@
+"""What dependency analysis returns: units, groups and the graph that holds them."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .handlers.base import Entry, ModuleHandler, Slot
+
+__all__ = ["DependencyGraph", "Group", "SlotInfo", "Unit"]
+
+
+@dataclass(slots=True)  # no per-instance __dict__: a graph holds thousands of units
+class Unit:
+    """One removable piece: a channel, a head or a group of a grouped conv.
+
+    ``members`` maps ``(module_name, slot_name)`` to the indices of that slot in this unit.
+    """
+
+    members: Dict[Tuple[str, str], Tensor]  # read-only: units may share index tensors
+
+    def width(self) -> int:
+        """Channels per unit in its widest slot (32 for a 32-dim head)."""
+        return max(int(v.numel()) for v in self.members.values())
+
+
+class Group:
+    """Units that span the same layer dimensions (e.g. conv1.out + bn1 + conv2.in).
+
+    ``units`` is built on first access (a graph can hold thousands); ``member_index()``
+    and ``slots`` never need it.
+    """
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
+
+    def __init__(
+        self, slots: Tuple[Tuple[str, str], ...], units: Optional[List[Unit]], blocked: Optional[str] = None
+    ) -> None:
+        self.slots = slots
+        self.blocked = blocked  # reason this group cannot be pruned, or None
+        self._units = units
+        # deferred units: (member keys in order, every unit's pieces in a row, units) -- see _collect
+        self._deferred: Optional[Tuple[Tuple[Tuple[str, str], ...], List[Tensor], int]] = None
+        self._index: Optional[Dict[Tuple[str, str], Tuple[Tensor, Tensor]]] = None
+
+    @classmethod
+    def _lazy(
+        cls, slots: Tuple[Tuple[str, str], ...], names: Tuple[Tuple[str, str], ...], pieces: List[Tensor],
+        count: int, blocked: Optional[str],
+    ) -> "Group":
+        g = cls(slots, None, blocked)
+        g._deferred = (names, pieces, count)
+        return g
+
+    @property
+    def units(self) -> List[Unit]:
+        if self._units is None:
+            names, pieces, count = self._deferred  # type: ignore[misc]
+            rows = zip(*[iter(pieces)] * len(names))  # one unit's pieces per row
+            self._units = list(map(Unit, map(dict, map(zip, itertools.repeat(names, count), rows))))
+            self._deferred = None
+        return self._units
+
+    @units.setter
+    def units(self, value: List[Unit]) -> None:
+        self._units, self._deferred, self._index = value, None, None
+
+    @property
+    def prunable(self) -> bool:
+        return self.blocked is None
+
+    def member_index(self) -> Dict[Tuple[str, str], Tuple[Tensor, Tensor]]:
+        """Per slot, every unit's indices at once: ``(indices, unit number of each index)``.
+
+        Lets per-unit sums and selections run as one ``index_add_``/mask per slot instead
+        of a Python loop over units (computed once, then cached; treat as read-only).
+        """
+        if self._index is None:
+            index: Dict[Tuple[str, str], Tuple[Tensor, Tensor]] = {}
+            if self._deferred is not None:
+                names, pieces, _ = self._deferred
+                per_key = [(key, pieces[j :: len(names)]) for j, key in enumerate(names)]
+            else:
+                keys = self._units[0].members if self._units else ()
+                per_key = [(key, [u.members[key] for u in self._units]) for key in keys]
+            for key, parts in per_key:
+                counts = torch.tensor([int(p.numel()) for p in parts])
+                index[key] = (torch.cat(parts), torch.repeat_interleave(torch.arange(len(parts)), counts))
+            self._index = index
+        return self._index
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return (self.slots, self.units, self.blocked) == (other.slots, other.units, other.blocked)  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        names = ", ".join(f"{m}.{s}" for m, s in self.slots[:6])
+        more = f", +{len(self.slots) - 6}" if len(self.slots) > 6 else ""
+        state = "prunable" if self.blocked is None else f"blocked: {self.blocked}"
+        units = self.units
+        return f"Group({len(units)} units x{units[0].width() if units else 0} [{names}{more}]; {state})"
+
+
+@dataclass
+class SlotInfo:
+    """Where one slot of one module lives among the tracer's channel ids."""
+
+    module_name: str
+    slot_name: str
+    start: int
+    spec: "Slot"
+
+
+@dataclass
+class DependencyGraph:
+    """The result of :func:`build_dependency_graph`."""
+
+    model: nn.Module
+    groups: List[Group]
+    slots: Dict[Tuple[str, str], SlotInfo]
+    handlers: Dict[str, "ModuleHandler"]  # module name -> handler
+    ignored: Tuple[str, ...] = ()
+
+    def prunable_groups(self) -> List[Group]:
+        return [g for g in self.groups if g.prunable]
+
+    def module(self, name: str) -> nn.Module:
+        return self.model.get_submodule(name) if name else self.model
+
+    def entries(self, group: Group) -> Iterator[Tuple[str, "Entry", Tensor, Tensor]]:
+        """``(module name, Entry, tensor indices, unit number of each index)`` for every
+        weight/bias/norm tensor ``group`` spans (running-stat buffers are skipped)."""
+        for (mname, sname), (idx, unit_of) in group.member_index().items():
+            for e in self.slots[(mname, sname)].spec.entries:
+                if e.role != "buffer":
+                    yield mname, e, idx + e.offset if e.offset else idx, unit_of

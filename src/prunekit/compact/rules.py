@@ -1,0 +1,324 @@
+"""How each kind of torch operation moves channel labels (the tracer's op rules).
+
+:meth:`OpRules.on_op` looks an operation up in :mod:`prunekit.compact.ops` and applies
+the rule of its table to the shadows of its inputs. A rule that meets a call it cannot
+prove safe blocks the channels involved, with a reason naming the op and the module.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import shadows as lbl
+from .errors import TraceError
+from .ops import CAT, HARMLESS_MUTATORS, MATMUL, MULTI, POINTWISE, POOL, REDUCE, SAME, SAME_LABELS, SHAPE, SOFTMAX, op_name, tensors_in
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .unionfind import UnionFind
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OpRules"]
+
+
+class OpRules:
+    """The op rules, mixed into :class:`~prunekit.compact.tracer.Tracer` (they use its shadows and union-find)."""
+
+    # provided by Tracer
+    shadows: Dict[int, Tuple[Any, Tensor, Tensor]]
+    uf: "UnionFind"
+    last_op: str
+    where: str
+
+    def on_op(self, func: Any, args: tuple, kwargs: dict, out: Any, name: Optional[str] = None) -> None:
+        if name is None:
+            name = op_name(func)
+        self.last_op = name
+        if (
+            len(args) == 1 and not kwargs and name in SAME_LABELS and isinstance(out, Tensor) and isinstance(args[0], Tensor)
+        ):  # relu(x), x.float(), ...: the output has the input's labels (the common case)
+            x = args[0]
+            entry = self.shadows.get(id(x))
+            if entry is None or entry[0]() is not x:
+                return  # not a channel tensor: nothing to record
+            if out.shape == x.shape:
+                self.set_shadow(out, entry[1], core=entry[2], labeled=True)
+                return
+        ins = [t for t in tensors_in((args, kwargs)) if self.shadow(t) is not None]
+        if not ins:
+            return
+        base = name[:-1] if name.endswith("_") and not name.endswith("__") else name
+        outs = tensors_in(out)
+        try:
+            if base in POINTWISE:
+                self._pointwise(name, args, kwargs, out)
+            elif base in SAME:
+                entry = self.entry_of(args[0]) if isinstance(args[0], Tensor) else None
+                if isinstance(out, Tensor) and entry is not None and out.shape == args[0].shape:
+                    self.set_shadow(out, entry[1], core=entry[2], labeled=True)
+            elif base in SHAPE:
+                self._shape(func, args, kwargs, out)
+            elif base in MULTI:
+                res = func(self.shadow(args[0]), *args[1:], **kwargs)
+                for o, s in zip(out, res):
+                    self.set_shadow(o, s)
+            elif base in CAT:
+                self._cat(func, args, kwargs, out)
+            elif base in SOFTMAX:
+                self._softmax(name, args, kwargs, out)
+            elif base in REDUCE:
+                self._reduce(name, args, kwargs, out)
+            elif base in POOL:
+                self._pool(name, args, out)
+            elif base in MATMUL:
+                self._matmul(name, args[0], args[1], out)
+            elif base == "scaled_dot_product_attention":
+                self._sdpa(args, kwargs, out)
+            elif not outs and base not in HARMLESS_MUTATORS and not name.endswith("_") and name not in (
+                "__setitem__",
+                "copy_",
+            ):
+                return  # a query (size, dim, item, ...) on a channel tensor: harmless
+            else:
+                self._unknown(name, ins, outs)
+        except TraceError:
+            raise
+        except Exception as exc:  # a rule failed on an unusual call: be conservative
+            logger.debug("shadow rule for %s failed: %s", name, exc)
+            self._unknown(name, ins, outs)
+
+    def _unknown(self, name: str, ins: List[Tensor], outs: List[Tensor]) -> None:
+        reason = f"op '{name}' in module '{self.where}' is not understood by the channel tracer"
+        for t in ins:
+            self.block(self.shadow(t), reason)
+        for o in outs:
+            self.set_shadow(o, None)
+
+    def _operand(self, a: Any, shape: torch.Size) -> Tuple[Optional[Tensor], Optional[torch.Size]]:
+        if isinstance(a, Tensor):
+            s = self.shadow(a)
+            if s is None:
+                s = lbl.fixed(a.shape)
+            return s, a.shape
+        return None, None
+
+    def _pointwise(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        if not isinstance(out, Tensor):
+            return
+        shape = out.shape
+        tensors = [a for a in args if isinstance(a, Tensor)] + [a for a in kwargs.values() if isinstance(a, Tensor)]
+        if len(tensors) == 1 and tensors[0].shape == shape:  # relu(x), x * 2.0, ...: same labels
+            entry = self.entry_of(tensors[0])
+            if entry is None:
+                self.set_shadow(out, None)
+            else:
+                self.set_shadow(out, entry[1], core=entry[2], labeled=True)
+            return
+        operands = [self._operand(a, shape) for a in list(args) + list(kwargs.values())]
+        operands = [(s, sh) for s, sh in operands if s is not None]
+        # stored shadows always hold an id >= 0; tensors without one got the all -1 lbl.fixed()
+        labeled = [(s, sh) for s, sh in operands if not lbl.is_fixed(s)]
+        if not labeled:
+            self.set_shadow(out, None)
+            return
+        full = [s.expand(shape) if s.shape != shape else s for s, _ in labeled]
+        # varying dims of each labeled operand (in output coordinates)
+        for s, sh in operands:
+            if any(s is ls for ls, _ in labeled):
+                continue
+            # a fixed operand: fine if it is constant along every channel dimension
+            nd = len(shape)
+            padded = [1] * (nd - len(sh)) + list(sh)
+            for ls in full:
+                for d in lbl.varying_dims(ls):
+                    if padded[d] > 1:
+                        self.block(ls, f"op '{name}' in module '{self.where}' combines channels with a fixed tensor that varies along them")
+                        break
+        full = lbl.squeeze_constant(*full)
+        base = full[0]
+        for other in full[1:]:
+            self.union(base, other)
+            base = torch.where(base >= 0, base, other)
+            # positions labeled on one side only: the unlabeled side is an activation
+            # without channel ids that varies along the channel -> not removable
+            one_sided = (full[0] >= 0) != (other >= 0)
+            if bool(one_sided.any()):
+                self.block(base[one_sided], f"op '{name}' in module '{self.where}' adds channels to fixed values")
+        self.set_shadow(out, base.expand(shape))
+
+    def _shape(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        if not isinstance(out, Tensor):
+            return
+        s_in = self.shadow(args[0])
+        if s_in is None:
+            self.set_shadow(out, None)
+            return
+        try:
+            res = func(s_in, *args[1:], **kwargs)
+        except RuntimeError:  # e.g. view() of an expanded shadow
+            res = func(s_in.contiguous(), *args[1:], **kwargs)
+        if not isinstance(res, Tensor) or res.shape != out.shape:
+            raise RuntimeError("shape rule mismatch")
+        name = op_name(func)
+        if name in ("view", "reshape", "unflatten", "view_as", "reshape_as") and len(lbl.varying_dims(res)) > len(
+            lbl.varying_dims(s_in)
+        ):
+            self.block(
+                s_in,
+                f"op '{name}' in module '{self.where}' splits a channel dimension (e.g. into heads); "
+                "register a handler for this module to prune it",
+            )
+            self.set_shadow(out, None)
+            return
+        self.set_shadow(out, res)
+
+    def _cat(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        seq = args[0]
+        shadows = []
+        for t in seq:
+            s = self.shadow(t)
+            shadows.append(s if s is not None else lbl.fixed(t.shape))
+        # positions that came from a fixed tensor stay -1; consumers block them
+        if op_name(func) in ("cat", "concat", "concatenate") and isinstance(out, Tensor) and len(
+            {s.dim() for s in shadows}
+        ) == 1 and shadows[0].dim():
+            cdim = kwargs.get("dim", args[1] if len(args) > 1 else 0) % shadows[0].dim()
+            # narrow the dims constant in every piece (not the cat dim): the result is the same view
+            narrow = [
+                d for d in range(shadows[0].dim()) if d != cdim and all(s.shape[d] > 1 and s.stride(d) == 0 for s in shadows)
+            ]
+            small = [s for s in shadows]
+            for d in narrow:
+                small = [s.narrow(d, 0, 1) for s in small]
+            res = torch.cat(small, dim=cdim).expand(out.shape)
+        else:
+            res = func(shadows, *args[1:], **kwargs)
+        self.set_shadow(out, res)
+
+    def _softmax(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        s = self.shadow(args[0])
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if dim is None or not isinstance(out, Tensor):
+            raise RuntimeError("softmax without dim")
+        if (dim % s.dim()) in lbl.varying_dims(s):
+            self.block(s, f"op '{name}' in module '{self.where}' normalizes across channels")
+            self.set_shadow(out, None)
+        else:
+            self.set_shadow(out, s, canonical=True)
+
+    def _reduce(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        s = self.shadow(args[0])
+        dim = kwargs.get("dim", args[1] if len(args) > 1 and not isinstance(args[1], bool) else None)
+        keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False)
+        value = out[0] if isinstance(out, tuple) else out
+        if not isinstance(value, Tensor):
+            return
+        if name in ("norm",) and dim is None and len(args) > 2:
+            dim = args[2]
+        dims = list(range(s.dim())) if dim is None else ([dim] if isinstance(dim, int) else list(dim))
+        dims = sorted({d % s.dim() for d in dims})
+        varying = lbl.varying_dims(s)
+        if any(d in varying for d in dims):
+            self.block(s, f"op '{name}' in module '{self.where}' reduces across channels")
+            self.set_shadow(value, None)
+            return
+        r = s
+        for d in reversed(dims):
+            r = r.narrow(d, 0, 1)
+            if not keepdim:
+                r = r.squeeze(d)
+        r = r.reshape(value.shape)
+        self.set_shadow(value, r)
+        if isinstance(out, tuple):
+            for o in out[1:]:
+                self.set_shadow(o, None)
+
+    def _pool(self, name: str, args: tuple, out: Any) -> None:
+        s = self.shadow(args[0])
+        value = out[0] if isinstance(out, tuple) else out
+        if s.dim() < 2:
+            raise RuntimeError("pool on 1-d")
+        # channel-wise ops over trailing spatial dims: labels must not vary spatially
+        lead = 2 if value.dim() == s.dim() and s.dim() >= 3 else 1
+        if torch.Size(s.shape[lead:]).numel() and any(d >= lead for d in lbl.varying_dims(s)):
+            self.block(s, f"op '{name}' in module '{self.where}' pools across channels")
+            self.set_shadow(value, None)
+            return
+        r = s
+        for _ in range(lead, s.dim()):
+            r = r.select(lead, 0)
+        r = r.reshape(r.shape + (1,) * (value.dim() - r.dim())).expand(value.shape)
+        self.set_shadow(value, r)
+        if isinstance(out, tuple):
+            for o in out[1:]:
+                self.set_shadow(o, None)
+
+    def _contract(self, name: str, a: Tensor, b: Tensor) -> Tuple[Tensor, Tensor, bool, bool]:
+        """Union the contracted dims of a @ b; returns broadcast shadows and whether each varies."""
+        sa = self.shadow(a)
+        sb = self.shadow(b)
+        sa = sa if sa is not None else lbl.fixed(a.shape)
+        sb = sb if sb is not None else lbl.fixed(b.shape)
+        if sa.dim() < 2 or sb.dim() < 2:
+            raise RuntimeError("1-d matmul")
+        va = (sa.dim() - 1) in lbl.varying_dims(sa)
+        vb = (sb.dim() - 2) in lbl.varying_dims(sb)
+        if va or vb:
+            # rows of a (..., n, k) against columns of b (..., k, m), per contracted index
+            ca = lbl.core(sa, keep=(sa.dim() - 1,))  # constant dims add no new columns
+            cb = lbl.core(sb, keep=(sb.dim() - 2,))
+            ra = torch.unique(ca.movedim(-1, 0).reshape(ca.shape[-1], -1), dim=1)  # (k, ra)
+            rb = torch.unique(cb.movedim(-2, 0).reshape(cb.shape[-2], -1), dim=1)  # (k, rb)
+            pa = ra.unsqueeze(2).expand(-1, -1, rb.shape[1])
+            pb = rb.unsqueeze(1).expand(-1, ra.shape[1], -1)
+            pairs = torch.stack([pa.reshape(-1), pb.reshape(-1)], dim=1)
+            one_sided = (pairs[:, 0] >= 0) != (pairs[:, 1] >= 0)
+            if bool(one_sided.any()):
+                self.block(pairs[one_sided].max(dim=1).values, f"op '{name}' in module '{self.where}' contracts channels with fixed values")
+            self.uf.union_pairs(pairs)
+        return sa, sb, va, vb
+
+    def _matmul(self, name: str, a: Any, b: Any, out: Any) -> None:
+        if name == "__rmatmul__":
+            a, b = b, a
+        if not (isinstance(a, Tensor) and isinstance(b, Tensor) and isinstance(out, Tensor)):
+            raise RuntimeError("matmul operands")
+        sa, sb, va, vb = self._contract(name, a, b)
+        rows = None if va else sa.narrow(-1, 0, 1)  # (..., n, 1)
+        cols = None if vb else sb.narrow(-2, 0, 1)  # (..., 1, m)
+        res = self._free_labels(name, rows, cols, out)
+        self.set_shadow(out, res)
+
+    def _free_labels(self, name: str, rows: Optional[Tensor], cols: Optional[Tensor], out: Tensor) -> Optional[Tensor]:
+        rl = rows is not None and bool((rows >= 0).any())
+        cl = cols is not None and bool((cols >= 0).any())
+        if rl and cl:
+            self.block(rows, f"op '{name}' in module '{self.where}' forms an outer product of channels")
+            self.block(cols, f"op '{name}' in module '{self.where}' forms an outer product of channels")
+            return None
+        if rl:
+            return rows.expand(out.shape)
+        if cl:
+            return cols.expand(out.shape)
+        return None
+
+    def _sdpa(self, args: tuple, kwargs: dict, out: Any) -> None:
+        names = ["query", "key", "value", "attn_mask"]
+        vals = dict(zip(names, args))
+        vals.update({k: v for k, v in kwargs.items() if k in names})
+        q, k, v = vals["query"], vals["key"], vals["value"]
+        self._contract("scaled_dot_product_attention", q, k.transpose(-2, -1))  # q . k over the last dims
+        sv = self.shadow(v)
+        if sv is None:
+            self.set_shadow(out, None)
+            return
+        if (sv.dim() - 2) in lbl.varying_dims(sv):
+            self.block(sv, f"op 'scaled_dot_product_attention' in module '{self.where}' mixes value channels across tokens")
+            self.set_shadow(out, None)
+            return
+        cols = sv.narrow(-2, 0, 1)
+        self.set_shadow(out, cols.expand(out.shape))

@@ -1,0 +1,292 @@
+"""The tracer: runs the model once and records which channels are coupled.
+
+Handled modules (see :mod:`prunekit.compact.handlers`) are leaves: after each one ran,
+its handler binds its inputs to its slots and labels its outputs. Every torch function
+*between* leaves goes through a ``TorchFunctionMode`` to the rules of
+:mod:`prunekit.compact.rules`, which move the labels the way the op moves elements.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from . import shadows as lbl
+from .errors import TraceError
+from .inputs import flatten_output, split_inputs
+from .ops import op_name, tensors_in
+from .results import SlotInfo
+from .rules import OpRules
+from .unionfind import UnionFind
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OUTPUT_REASON", "TraceError", "Tracer"]
+
+OUTPUT_REASON = "these channels are part of the model's output"
+
+
+class Tracer(OpRules):
+    """Runs the model once and builds the union-find of coupled channels.
+
+    Handlers talk to it through :meth:`slot`, :meth:`bind`, :meth:`emit`,
+    :meth:`tie`, :meth:`block` and :meth:`shadow`.
+    """
+
+    def __init__(self, model: nn.Module, registry: Any, exact: bool = True) -> None:
+        self.model = model
+        self.registry = registry
+        self.exact = exact
+        self.uf = UnionFind()
+        self.shadows: Dict[int, Tuple[Tensor, Tensor]] = {}
+        self.slots: Dict[Tuple[str, str], SlotInfo] = {}
+        self.handlers: Dict[str, Any] = {}
+        self.named: List[Tuple[str, nn.Module]] = list(model.named_modules())
+        self.names: Dict[int, str] = {id(m): n for n, m in self.named}
+        self.by_name: Dict[str, nn.Module] = dict(self.named)
+        self._slot_ids: Dict[Tuple[str, str], Tensor] = {}
+        self._specs: Dict[str, Dict[str, Any]] = {}
+        self.stack: List[str] = []
+        self.leaf_depth = 0
+        self.last_op = ""
+        self.order: List[str] = []
+
+    # ---- handler API
+    @property
+    def where(self) -> str:
+        return (self.stack[-1] or "<model>") if self.stack else "<model>"
+
+    def slot(self, module_name: str, slot_name: str) -> Tensor:
+        """Element ids of one slot (allocated on first use)."""
+        key = (module_name, slot_name)
+        info = self.slots.get(key)
+        if info is None:
+            specs = self._specs.get(module_name)
+            if specs is None:  # one handler.slots() call per module
+                specs = self._specs[module_name] = self.handlers[module_name].slots(self.by_name[module_name])
+            spec = specs[slot_name]
+            info = SlotInfo(module_name, slot_name, self.uf.add(spec.size), spec)
+            self.slots[key] = info
+            if spec.tie > 1:  # heads / norm groups: consecutive blocks move together
+                ids = torch.arange(info.start, info.start + spec.size).view(-1, spec.tie)
+                self.tie(ids)
+        ids = self._slot_ids.get(key)
+        if ids is None:
+            ids = self._slot_ids[key] = torch.arange(info.start, info.start + info.spec.size)
+        return ids
+
+    def shadow(self, t: Any) -> Optional[Tensor]:
+        """The shadow of ``t`` (canonical: stride 0 exactly along its constant dims), or None."""
+        if not isinstance(t, Tensor):
+            return None
+        entry = self.shadows.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        return entry[1]
+
+    def entry_of(self, t: Tensor) -> Optional[Tuple[Any, Tensor, Tensor]]:
+        """(weak ref, shadow, core) of ``t``; the core is the shadow narrowed along its constant dims."""
+        entry = self.shadows.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        return entry
+
+    def set_shadow(
+        self, t: Tensor, s: Optional[Tensor], canonical: bool = False, labeled: bool = False, core: Optional[Tensor] = None
+    ) -> None:
+        """Record ``s`` as the shadow of ``t`` (None or all -1: no channel ids).
+
+        ``canonical``: ``s`` is already canonical; ``labeled``: it has an id >= 0;
+        ``core``: its core, if known (implies canonical).
+        """
+        key = id(t)
+        if s is None:
+            self.shadows.pop(key, None)
+            return
+        if s.shape != t.shape:
+            raise RuntimeError(f"internal: shadow shape {tuple(s.shape)} != tensor shape {tuple(t.shape)}")
+        if core is None:
+            if canonical:
+                core = lbl.core(s)
+            else:
+                core = lbl.canonical_core(s)
+                if core.shape != s.shape:
+                    s = core.expand(s.shape)
+        if not labeled and not bool((core >= 0).any()):
+            self.shadows.pop(key, None)
+            return
+        # A weak reference: activations are freed as the model runs (as without tracing);
+        # the entry goes with its tensor (an id can be reused by a later tensor).
+        shadows = self.shadows
+
+        def _gone(ref: Any, key: int = key) -> None:
+            e = shadows.get(key)
+            if e is not None and e[0] is ref:
+                del shadows[key]
+
+        self.shadows[key] = (weakref.ref(t, _gone), s, core)
+
+    def tie(self, ids: Tensor) -> None:
+        """Union each row of a 2-D id tensor into one unit."""
+        ids = ids.reshape(ids.shape[0], -1)
+        first = ids[:, :1].expand_as(ids)
+        self.uf.union_pairs(torch.stack([first.reshape(-1), ids.reshape(-1)], dim=1))
+
+    def union(self, a: Tensor, b: Tensor) -> None:
+        self.uf.union_pairs(torch.stack([a.reshape(-1), b.reshape(-1)], dim=1))
+
+    def block(self, ids: Any, reason: str) -> None:
+        if isinstance(ids, Tensor):
+            ids = lbl.core(ids) if ids.dim() else ids
+        else:
+            ids = torch.tensor(list(ids), dtype=torch.long)
+        self.uf.block(ids, reason)
+
+    def bind(self, x: Any, dim: int, ids: Tensor, what: str = "") -> None:
+        """Couple dimension ``dim`` of input ``x`` with a consumer slot's ids."""
+        if not isinstance(x, Tensor):
+            return
+        dim = dim % x.dim()
+        if x.shape[dim] != ids.numel():
+            self.block(ids, f"input of module '{self.where}' has {x.shape[dim]} channels, expected {ids.numel()}")
+            return
+        entry = self.entry_of(x)
+        if entry is None:
+            self.block(ids, f"input of module '{self.where}' does not come from a prunable layer")
+            return
+        s = entry[2]
+        if s.shape[dim] != x.shape[dim]:  # the same ids along the channel dim: spell them out
+            s = s.expand(tuple(x.shape[dim] if i == dim else n for i, n in enumerate(s.shape)))
+        if s.numel() == ids.numel():  # labels vary along the channel dim only (the usual case)
+            s = s.reshape(-1)
+            fixed = s
+            self.uf.union_rows(s, ids)
+        else:
+            s = torch.unique(s.movedim(dim, -1).reshape(-1, ids.numel()), dim=0)
+            pairs = torch.stack([s, ids.view(1, -1).expand_as(s)], dim=-1).reshape(-1, 2)
+            fixed = pairs[:, 0]
+            ids = pairs[:, 1]
+            self.uf.union_pairs(pairs)
+        # channels fed by a fixed (unlabeled) value cannot go
+        self.uf.block(ids, f"input of module '{self.where}' mixes prunable and fixed channels", where_negative=fixed)
+
+    def emit(self, out: Any, dim: int, ids: Tensor) -> None:
+        """Label dimension ``dim`` of output ``out`` with a producer slot's ids."""
+        if not isinstance(out, Tensor):
+            return
+        dim = dim % out.dim()
+        shape = [1] * out.dim()
+        shape[dim] = ids.numel()
+        core = ids.view(shape)
+        # shadows are never mutated: a zero-copy view; slot ids are distinct, so it is canonical
+        if ids.numel() > 1:
+            self.set_shadow(out, core.expand(out.shape), core=core, labeled=True)
+        else:
+            self.set_shadow(out, core.expand(out.shape))
+
+    # ---- hooks
+    def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self.stack.append(self.names.get(id(module), "?"))
+        if id(module) in self._leaves:
+            self.leaf_depth += 1
+
+    def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        name = self.stack.pop() if self.stack else "?"
+        if id(module) in self._leaves:
+            self.leaf_depth -= 1
+            if self.leaf_depth == 0:
+                self.order.append(name)
+                self.stack.append(name)
+                try:
+                    with torch._C.DisableTorchFunction():  # the handler's own tensor work is not traced
+                        self.handlers[name].trace(module, name, self, args, kwargs, output)
+                finally:
+                    self.stack.pop()
+
+    # ---- run
+    def run(self, example_inputs: Any, ignored: Sequence[str]) -> Any:
+        for name, module in self.named:
+            h = self.registry.lookup(module)
+            # a module inside a handled module is part of it (named_modules lists parents first)
+            parts = name.split(".")
+            if h is not None and not any(".".join(parts[:i]) in self.handlers for i in range(1, len(parts))):
+                self.handlers[name] = h
+        self._leaves = {id(self.by_name[n]) for n in self.handlers}
+        hooks = []
+        for _, module in self.named:
+            hooks.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+            hooks.append(module.register_forward_hook(self._post, with_kwargs=True))
+        tracer = self
+        op_names: Dict[Any, str] = {}
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                try:
+                    name = op_names[func]
+                except (KeyError, TypeError):  # first call of this function (or unhashable)
+                    name = op_name(func)
+                    try:
+                        op_names[func] = name
+                    except TypeError:
+                        pass
+                try:
+                    out = func(*args, **kwargs)
+                except Exception as exc:
+                    if not hasattr(exc, "_prunekit_op"):
+                        exc._prunekit_op = name  # the innermost failing op names the error
+                    raise
+                tracer.last_op = name
+                if tracer.leaf_depth == 0:
+                    tracer.on_op(func, args, kwargs, out, name)
+                return out
+
+        was_training = [(m, m.training) for _, m in self.named]
+        if any(t for _, t in was_training):
+            self.model.eval()
+        args, kwargs = split_inputs(example_inputs)
+        # No autograd: nothing here needs gradients, and recording them costs about a
+        # quarter of the forward pass. Fused inference fast paths (nn.MultiheadAttention,
+        # nn.TransformerEncoder[Layer]) stay off: they are skipped whenever a torch function
+        # mode is active, and the fast-path switch is turned off as well while tracing.
+        fastpath = torch.backends.mha.get_fastpath_enabled()
+        try:
+            torch.backends.mha.set_fastpath_enabled(False)
+            with torch.no_grad(), _Mode():
+                output = self.model(*args, **kwargs)
+        except TraceError:
+            raise
+        except Exception as exc:
+            failed = getattr(exc, "_prunekit_op", self.last_op)
+            raise TraceError(
+                f"the model's forward pass failed while prunekit traced it, at op '{failed}' in module "
+                f"'{self.where}': {type(exc).__name__}: {exc}. Check that example_inputs are what "
+                "model(*example_inputs) accepts."
+            ) from exc
+        finally:
+            torch.backends.mha.set_fastpath_enabled(fastpath)
+            for h in hooks:
+                h.remove()
+            for m, t in was_training:
+                if m.training != t:
+                    m.training = t
+            self.stack.clear()
+            self.leaf_depth = 0
+        for t in tensors_in(flatten_output(output)):
+            s = self.shadow(t)
+            if s is not None:
+                self.block(s, OUTPUT_REASON)
+        for name in ignored:
+            for (mname, sname), info in list(self.slots.items()):
+                if mname == name or mname.startswith(name + "."):
+                    self.block(self.slot(mname, sname), f"module '{mname}' is in ignored_layers")
+            if name in self.handlers:
+                for sname in self.handlers[name].slots(self.by_name[name]):
+                    self.block(self.slot(name, sname), f"module '{name}' is in ignored_layers")
+        self.shadows.clear()
+        return output

@@ -1,0 +1,111 @@
+"""Union-find over channel ids, recorded while the model runs and solved at once at the end."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["UnionFind"]
+
+_NEG_ONE = torch.full((1,), -1, dtype=torch.long)
+
+
+class UnionFind:
+    """Channel ids joined into components; a component may carry a "blocked" reason.
+
+    Unions and blocks are only *recorded* while the model runs (a tensor append each);
+    :meth:`solve` computes every component at once with vectorized hooking and pointer
+    jumping (O(log n) rounds of tensor ops instead of one Python call per union). A
+    component's root is its smallest id; its reason is the one recorded first among
+    its ids.
+    """
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._edges: List[Tensor] = []  # (k, 2) int64 rows to union
+        self._rows: List[Tuple[Tensor, Tensor]] = []  # (a, b): union a[i] with b[i]; stacked in solve()
+        # ids, reason, and an optional tensor: only ids where it is < 0 (in the order recorded)
+        self._blocks: List[Tuple[Tensor, str, Optional[Tensor]]] = []
+        self.roots: Optional[Tensor] = None  # after solve(): root of every id
+        self.blocked: Dict[int, str] = {}  # after solve(): root -> reason
+
+    def add(self, n: int) -> int:
+        start = self.n
+        self.n += n
+        self.roots = None
+        return start
+
+    def union_pairs(self, pairs: Tensor) -> None:
+        """Union every row (a, b) of an (N, 2) int64 tensor where both are >= 0."""
+        if pairs.numel():
+            self._edges.append(pairs.reshape(-1, 2))  # rows with a negative id are dropped in solve()
+            self.roots = None
+
+    def union_rows(self, a: Tensor, b: Tensor) -> None:
+        """Union ``a[i]`` with ``b[i]`` for every i (1-d, same length; negative ids are ignored)."""
+        if a.numel():
+            self._rows.append((a, b))
+            self.roots = None
+
+    def block(self, ids: Tensor, reason: str, where_negative: Optional[Tensor] = None) -> None:
+        """Record a reason for the components of ``ids`` (negative ids are ignored).
+
+        ``where_negative``: same length as ``ids``; only ids at its negative entries count.
+        """
+        if ids.numel():
+            self._blocks.append((ids.reshape(-1), reason, where_negative))
+            self.roots = None
+
+    def solve(self) -> Tensor:
+        """Root (smallest id) of every id's component; fills :attr:`blocked`."""
+        if self.roots is not None:
+            return self.roots
+        parent = torch.arange(self.n, dtype=torch.long)
+        if self._rows:  # one stack for every union_rows() call
+            self._edges.append(
+                torch.stack([torch.cat([a for a, _ in self._rows]), torch.cat([b for _, b in self._rows])], dim=1)
+            )
+            self._rows = []
+        if self._edges:
+            edges = torch.cat(self._edges).to(torch.long)
+            edges = edges[(edges >= 0).all(dim=1) & (edges[:, 0] != edges[:, 1])]
+            self._edges = [edges]
+            a, b = edges[:, 0], edges[:, 1]
+            while True:
+                pa, pb = parent[a], parent[b]
+                differ = pa != pb
+                if not bool(differ.any()):
+                    break
+                pa, pb = pa[differ], pb[differ]
+                lo = torch.minimum(pa, pb)
+                # hook each root onto the smallest root it touches (roots only decrease: no cycles)
+                parent.scatter_reduce_(0, torch.maximum(pa, pb), lo, reduce="amin")
+                while True:  # pointer jumping until every id points at its root
+                    nxt = parent[parent]
+                    if torch.equal(nxt, parent):
+                        break
+                    parent = nxt
+        self.blocked = {}
+        if self._blocks:
+            # all blocks at once: an id counts where it is >= 0 and its condition (if any) < 0
+            ids = torch.cat([i for i, _, _ in self._blocks]).to(torch.long)
+            conds = torch.cat([_NEG_ONE.expand(i.numel()) if c is None else c.reshape(-1) for i, _, c in self._blocks])
+            order = torch.repeat_interleave(
+                torch.arange(len(self._blocks)), torch.tensor([i.numel() for i, _, _ in self._blocks])
+            )
+            keep = (ids >= 0) & (conds < 0)
+            ids, order = ids[keep], order[keep]
+            first = torch.full((self.n,), len(self._blocks), dtype=torch.long)
+            first.scatter_reduce_(0, parent[ids], order, reduce="amin")
+            hit = (first < len(self._blocks)).nonzero().view(-1)
+            self.blocked = {r: self._blocks[k][1] for r, k in zip(hit.tolist(), first[hit].tolist())}
+        self.roots = parent
+        return parent
+
+    def find(self, x: int) -> int:
+        return int(self.solve()[x])
+
+    def reason(self, i: int) -> Optional[str]:
+        return self.blocked.get(self.find(i))
