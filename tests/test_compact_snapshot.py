@@ -126,6 +126,14 @@ def fingerprint(graph):
     }
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def snapshot():
     if os.environ.get("PRUNEKIT_UPDATE_SNAPSHOT"):

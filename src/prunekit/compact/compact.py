@@ -19,8 +19,14 @@ from torch import Tensor, nn
 
 from .._backend import require_torch
 from . import _masks
-from .graph import DependencyGraph, Group, build_dependency_graph, check_graph
+from .dead import NonZero, unit_states, zero_units
+from .errors import CompactionError
+from .graph import DependencyGraph, build_dependency_graph, check_graph
+from .inputs import flatten_output, split_inputs
+from .journal import Journal, atomic
 from .modules import REPLACEMENTS
+from .ops import tensors_in
+from .surgery import replace_tensor, set_attr, shrink_module
 
 logger = logging.getLogger(__name__)
 
@@ -35,141 +41,6 @@ __all__ = [
 
 FORMAT = "prunekit.compact/1"
 _DESC_ATTR = "_prunekit_compaction"
-
-
-class _NonZero:
-    """Cache: for (module, tensor path, axis), which indices have any non-zero value."""
-
-    def __init__(self, graph: DependencyGraph) -> None:
-        self.graph = graph
-        self.cache: Dict[Tuple[str, str, int], Tensor] = {}
-
-    def __call__(self, mname: str, path: str, axis: int) -> Tensor:
-        key = (mname, path, axis)
-        if key not in self.cache:
-            owner, leaf = _masks.owner_of(self.graph.module(mname), path)
-            t = _masks.effective(owner, leaf)
-            self.cache[key] = (t != 0).movedim(axis, 0).reshape(t.shape[axis], -1).any(dim=1)
-        return self.cache[key]
-
-
-def _unit_states(graph: DependencyGraph, group: Group, nz: _NonZero) -> Tuple[Tensor, Tensor]:
-    """Per unit of ``group``: (removable, partially zero), as bool tensors.
-
-    A unit is removable when it is zero in every tensor that reads it (role ``"in"``);
-    a unit no tensor reads (the query/key dims of a head) must be zero everywhere.
-    Every unit of a group spans the same tensors, so "has readers" is per group.
-    """
-    n = len(group.units)
-    readers_zero = torch.ones(n, dtype=torch.bool)
-    others_zero = torch.ones(n, dtype=torch.bool)
-    any_zero = torch.zeros(n, dtype=torch.bool)
-    has_readers = has_others = False
-    for mname, e, idx, unit_of in graph.entries(group):
-        nonzero = torch.zeros(n, dtype=torch.long).index_add_(0, unit_of, nz(mname, e.path, e.axis)[idx].long())
-        zero = nonzero == 0
-        any_zero |= zero
-        if e.role == "in":
-            readers_zero &= zero
-            has_readers = True
-        else:
-            others_zero &= zero
-            has_others = True
-    if has_readers:
-        return readers_zero, any_zero
-    return others_zero & has_others, any_zero
-
-
-def zero_units(graph: DependencyGraph) -> Dict[int, List[int]]:
-    """For each group index, the indices of its units that :func:`compact` would remove.
-
-    Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> from prunekit.compact import build_dependency_graph, prune_groups, zero_units
-        >>> m = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
-        >>> with torch.no_grad():
-        ...     m[2].weight[:, 1] = 0
-        >>> zero_units(build_dependency_graph(m, torch.randn(1, 8)))
-        {1: [1]}
-    """
-    nz = _NonZero(graph)
-    out: Dict[int, List[int]] = {}
-    for gi, g in enumerate(graph.groups):
-        if not g.prunable:
-            continue
-        idx = _unit_states(graph, g, nz)[0].nonzero().view(-1).tolist()
-        if idx:
-            out[gi] = idx
-    return out
-
-
-def _set_attr(module: nn.Module, path: str, value: Any) -> None:
-    owner, leaf = _masks.owner_of(module, path)
-    setattr(owner, leaf, value)
-
-
-def _replace_tensor(owner: nn.Module, leaf: str, new: Tensor) -> None:
-    old = getattr(owner, leaf)
-    if isinstance(old, nn.Parameter) or leaf in owner._parameters:
-        owner._parameters[leaf] = nn.Parameter(new.detach().clone(), requires_grad=old.requires_grad)
-    else:
-        owner._buffers[leaf] = new.detach().clone()
-
-
-def _slice(t: Tensor, keep: Dict[int, Tensor]) -> Tensor:
-    for axis, idx in keep.items():
-        t = t.index_select(axis, idx.to(t.device))
-    return t
-
-
-def _shrink_module(model: nn.Module, mname: str, handler: Any, removed: Dict[str, Tensor]) -> Dict[str, Any]:
-    """Slice one module's tensors; returns its entry of the compaction description."""
-    module = model.get_submodule(mname) if mname else model
-    slots = handler.slots(module)
-    sizes = {s: spec.size - int(removed.get(s, torch.empty(0)).numel()) for s, spec in slots.items()}
-    # which positions of which tensor go away
-    drop: Dict[str, Dict[int, List[Tensor]]] = {}
-    for sname, idx in removed.items():
-        for e in slots[sname].entries:
-            drop.setdefault(e.path, {}).setdefault(e.axis, []).append(idx + e.offset)
-    # bake every mask under this module, remembering it
-    masks: Dict[str, Tensor] = {}
-    for sub_name, sub, name in list(_masks.iter_masks(module)):
-        masks[f"{sub_name}.{name}" if sub_name else name] = _masks.bake(sub, name)
-    replacement = handler.convert(module, sizes)
-    if replacement is not None:
-        parent, leaf = _masks.owner_of(model, mname)
-        setattr(parent, leaf, replacement)
-        module = replacement
-    shapes: Dict[str, List[int]] = {}
-    for path, axes in drop.items():
-        owner, leaf = _masks.owner_of(module, path)
-        t = getattr(owner, leaf)
-        keep = {}
-        for axis, parts in axes.items():
-            gone = torch.zeros(t.shape[axis], dtype=torch.bool)
-            gone[torch.cat(parts)] = True
-            keep[axis] = (~gone).nonzero().flatten()
-        _replace_tensor(owner, leaf, _slice(t, keep))
-        shapes[path] = list(getattr(owner, leaf).shape)
-        if path in masks:
-            masks[path] = _slice(masks[path], keep)
-    attrs = handler.attrs(module, sizes)
-    for path, value in attrs.items():
-        _set_attr(module, path, value)
-    for path, mask in masks.items():
-        if not bool((mask != 0).all()):
-            owner, leaf = _masks.owner_of(module, path)
-            _masks.apply_mask(owner, leaf, mask)
-    entry: Dict[str, Any] = {
-        "attrs": {k: list(v) if isinstance(v, tuple) else v for k, v in attrs.items()},
-        "tensors": shapes,
-    }
-    if replacement is not None:
-        entry["class"] = type(replacement).__name__
-        entry["init"] = replacement.init_kwargs()
-    return entry
 
 
 def _mask_summary(model: nn.Module) -> Tuple[int, int, int]:
@@ -190,6 +61,8 @@ def compact(
     exact: bool = True,
     inplace: bool = False,
     graph: Optional[DependencyGraph] = None,
+    check: bool = True,
+    rtol: float = 1e-4,
 ) -> nn.Module:
     """Rebuild every layer whose whole channels/heads are masked with smaller dense layers.
 
@@ -201,14 +74,21 @@ def compact(
         example_inputs: a tensor, tuple of positional inputs, or dict of keyword inputs.
         ignored_layers: modules or names left exactly as they are (default: the final classifier).
         exact: see :func:`build_dependency_graph`.
-        inplace: modify ``model`` itself instead of a deep copy.
+        inplace: modify ``model`` itself instead of a deep copy. Failure-atomic: on any
+            exception (``KeyboardInterrupt`` included) ``model`` is left exactly as it was.
         graph: a :func:`build_dependency_graph` result for ``model`` to reuse instead of
             tracing it again, e.g. the one passed to :func:`prune_groups` (its
             ``ignored_layers``/``exact`` apply).
+        check: run the compacted model on ``example_inputs`` (in eval mode) and compare
+            its outputs with the masked model's before returning it.
+        rtol: the largest relative error (``||a - b|| / ||b||`` per output tensor) the
+            check accepts.
 
     Raises:
         ValueError: no whole channel is masked (e.g. only unstructured masks).
         TraceError: the model's forward failed on ``example_inputs``.
+        CompactionError: the compacted model fails or its output differs from the masked
+            model's (``model`` is unchanged; please report it with the model).
 
     Example:
         >>> import torch
@@ -224,18 +104,59 @@ def compact(
     require_torch(model, "prunekit.compact")
     if not isinstance(model, nn.Module):
         raise TypeError(f"compact expects an nn.Module, got {type(model).__name__}")
+    if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not rtol >= 0:
+        raise ValueError(f"rtol must be a number >= 0, got {rtol!r}")
     if graph is not None:
         check_graph(graph, model, ignored_layers)
-    target = model if inplace else copy.deepcopy(model)
-    if graph is None:
+    reference = _outputs(model, example_inputs) if check else None
+    if not inplace:
+        target = copy.deepcopy(model)
+        g = None if graph is None else dataclasses.replace(graph, model=target)  # the graph names modules
+        _compact_into(target, example_inputs, g, ignored_layers, exact, None, reference, rtol)
+        return target
+    with atomic() as journal:
+        _compact_into(model, example_inputs, graph, ignored_layers, exact, journal, reference, rtol)
+    return model
+
+
+def _compact_into(
+    target: nn.Module,
+    example_inputs: Any,
+    g: Optional[DependencyGraph],
+    ignored_layers: Optional[Sequence[Any]],
+    exact: bool,
+    journal: Optional[Journal],
+    reference: Optional[List[Tensor]],
+    rtol: float,
+) -> None:
+    if g is None:
         g = build_dependency_graph(target, example_inputs, ignored_layers=ignored_layers, exact=exact)
-    else:  # the graph names modules, so it describes the deep copy as well
-        g = graph if inplace else dataclasses.replace(graph, model=target)
-    nz = _NonZero(g)
+    by_module, n_whole = _plan(target, g)
+    if journal is not None:
+        journal.module(target)
+    desc = dict(getattr(target, _DESC_ATTR, None) or {"format": FORMAT, "modules": {}})
+    desc["modules"] = dict(desc.get("modules", {}))
+    for mname, rem in by_module.items():
+        entry = shrink_module(target, mname, g.handlers[mname], rem, journal)
+        old = desc["modules"].get(mname)
+        if old:
+            merged_attrs = {**old.get("attrs", {}), **entry["attrs"]}
+            merged_tensors = {**old.get("tensors", {}), **entry["tensors"]}
+            entry = {**old, **entry, "attrs": merged_attrs, "tensors": merged_tensors}
+        desc["modules"][mname] = entry
+    object.__setattr__(target, _DESC_ATTR, desc)
+    if reference is not None:
+        _check_outputs(target, example_inputs, reference, rtol)
+    logger.info("compact: removed %d units from %d modules", n_whole, len(by_module))
+
+
+def _plan(target: nn.Module, g: DependencyGraph) -> Tuple[Dict[str, Dict[str, Tensor]], int]:
+    """Per module and slot, the sorted indices to remove; and how many units go."""
+    nz = NonZero(g)
     removed: Dict[Tuple[str, str], List[Tensor]] = {}
     n_whole = n_partial = n_units = 0
     for grp in g.groups:
-        whole, partial = _unit_states(g, grp, nz)
+        whole, partial = unit_states(g, grp, nz)
         n_partial += int((partial & ~whole).sum())
         if not grp.prunable:
             if bool(whole.any()):
@@ -249,43 +170,78 @@ def compact(
         for key, (idx, unit_of) in grp.member_index().items():
             removed.setdefault(key, []).append(idx[whole[unit_of]])
     if n_whole == 0:
-        n_masks, zeros, total = _mask_summary(target)
-        if n_masks and zeros:
-            msg = (
-                f"compact() found 0 whole channels/heads to remove among {n_units} prunable units; "
-                f"the model's {n_masks} masks zero {zeros} of {total} weights ({100.0 * zeros / max(total, 1):.1f}%) "
-                "without emptying a whole channel in every layer that reads it. Compaction needs whole channels. "
-            )
-            if n_partial:
-                msg += (
-                    f"{n_partial} units are zero in some layers but still read by others (e.g. ln_structured on one "
-                    "layer only); mask whole groups with prunekit.compact.prune_groups(model, example_inputs, amount). "
-                )
-            msg += "For unstructured sparsity use the sparse-inference path instead: prunekit.sparsify_for_inference(model)."
-        else:
-            msg = (
-                f"compact() found 0 whole channels/heads to remove among {n_units} prunable units: the model has no "
-                "masked channels. Prune first, e.g. prunekit.compact.prune_groups(model, example_inputs, 0.5)."
-            )
-        raise ValueError(msg)
+        raise ValueError(_nothing_to_remove(target, n_units, n_partial))
     by_module: Dict[str, Dict[str, Tensor]] = {}
     for (mname, sname), parts in removed.items():
         idx = torch.cat(parts)
         if idx.numel():
             by_module.setdefault(mname, {})[sname] = torch.sort(idx).values
-    desc = dict(getattr(target, _DESC_ATTR, None) or {"format": FORMAT, "modules": {}})
-    desc["modules"] = dict(desc.get("modules", {}))
-    for mname, rem in by_module.items():
-        entry = _shrink_module(target, mname, g.handlers[mname], rem)
-        old = desc["modules"].get(mname)
-        if old:
-            merged_attrs = {**old.get("attrs", {}), **entry["attrs"]}
-            merged_tensors = {**old.get("tensors", {}), **entry["tensors"]}
-            entry = {**old, **entry, "attrs": merged_attrs, "tensors": merged_tensors}
-        desc["modules"][mname] = entry
-    object.__setattr__(target, _DESC_ATTR, desc)
-    logger.info("compact: removed %d units from %d modules", n_whole, len(by_module))
-    return target
+    return by_module, n_whole
+
+
+def _nothing_to_remove(target: nn.Module, n_units: int, n_partial: int) -> str:
+    n_masks, zeros, total = _mask_summary(target)
+    if n_masks and zeros:
+        msg = (
+            f"compact() found 0 whole channels/heads to remove among {n_units} prunable units; "
+            f"the model's {n_masks} masks zero {zeros} of {total} weights ({100.0 * zeros / max(total, 1):.1f}%) "
+            "without emptying a whole channel in every layer that reads it. Compaction needs whole channels. "
+        )
+        if n_partial:
+            msg += (
+                f"{n_partial} units are zero in some layers but still read by others (e.g. ln_structured on one "
+                "layer only); mask whole groups with prunekit.compact.prune_groups(model, example_inputs, amount). "
+            )
+        return msg + "For unstructured sparsity use the sparse-inference path instead: prunekit.sparsify_for_inference(model)."
+    return (
+        f"compact() found 0 whole channels/heads to remove among {n_units} prunable units: the model has no "
+        "masked channels. Prune first, e.g. prunekit.compact.prune_groups(model, example_inputs, 0.5)."
+    )
+
+
+def _outputs(model: nn.Module, example_inputs: Any) -> List[Tensor]:
+    """The model's output tensors on ``example_inputs``, in eval mode (training flags restored)."""
+    args, kwargs = split_inputs(example_inputs)
+    was = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        with torch.no_grad():
+            out = model(*args, **kwargs)
+    finally:
+        for m, t in was:
+            m.training = t
+    return [t.detach() for t in tensors_in(flatten_output(out))]
+
+
+def _check_outputs(target: nn.Module, example_inputs: Any, reference: List[Tensor], rtol: float) -> None:
+    try:
+        got = _outputs(target, example_inputs)
+    except Exception as exc:
+        raise CompactionError(
+            f"the compacted model fails on example_inputs ({type(exc).__name__}: {exc}); the masked model does not. "
+            "Nothing was changed. This is a bug in a compaction handler: please report it with the model"
+        ) from exc
+    if len(got) != len(reference):
+        raise CompactionError(f"the compacted model returns {len(got)} tensors, the masked model {len(reference)}")
+    for i, (a, b) in enumerate(zip(got, reference)):
+        if a.shape != b.shape:
+            raise CompactionError(
+                f"output {i} of the compacted model has shape {tuple(a.shape)}, the masked model's {tuple(b.shape)}"
+            )
+        if not a.is_floating_point():
+            ok = torch.equal(a, b)
+            err = 0.0 if ok else float("inf")
+        else:
+            a64, b64 = a.double(), b.double()
+            same_nan = torch.isnan(a64) == torch.isnan(b64)
+            a64, b64 = torch.nan_to_num(a64), torch.nan_to_num(b64)
+            err = float((a64 - b64).norm() / b64.norm().clamp_min(1e-30)) if bool(same_nan.all()) else float("inf")
+            ok = err <= rtol or bool((a64 == b64).all())
+        if not ok:
+            raise CompactionError(
+                f"output {i} of the compacted model differs from the masked model's by {err:.3g} (relative, "
+                f"allowed {rtol:g}); nothing was changed. Pass check=False to get the model anyway, or report it"
+            )
 
 
 # ------------------------------------------------------------------ saving
@@ -344,9 +300,9 @@ def rebuild_from_description(model: nn.Module, description: Dict[str, Any]) -> n
         for path, shape in entry.get("tensors", {}).items():
             owner, leaf = _masks.owner_of(module, path)
             old = getattr(owner, leaf)
-            _replace_tensor(owner, leaf, torch.zeros(shape, dtype=old.dtype, device=old.device))
+            replace_tensor(owner, leaf, torch.zeros(shape, dtype=old.dtype, device=old.device))
         for path, value in entry.get("attrs", {}).items():
-            _set_attr(module, path, tuple(value) if isinstance(value, list) else value)
+            set_attr(module, path, tuple(value) if isinstance(value, list) else value)
     object.__setattr__(model, _DESC_ATTR, copy.deepcopy(description))
     return model
 

@@ -15,6 +15,7 @@ from ..importance import Scorer
 from . import _masks
 from .graph import DependencyGraph, Group, build_dependency_graph, check_graph
 from .importance import as_group_scorer, group_importance
+from .journal import atomic
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,8 @@ def prune_groups(
     Whole units are masked in every tensor they span (a conv's rows and bias, its
     batchnorm, the next layer's input columns, both sides of a residual add), through
     ``custom_from_mask``, so the masked model can be evaluated and fine-tuned; then
-    :func:`compact` removes them.
+    :func:`compact` removes them. Failure-atomic: on any exception (``KeyboardInterrupt``
+    included) no mask of this call stays.
 
     Args:
         amount: fraction in [0, 1) of units to remove.
@@ -129,11 +131,13 @@ def _write_masks(graph: DependencyGraph, decisions: List[GroupDecision]) -> None
         removed[d.removed] = True
         for mname, e, idx, unit_of in graph.entries(d.group):
             gone.setdefault((mname, e.path), {}).setdefault(e.axis, []).append(idx[removed[unit_of]])
-    for (mname, path), axes in gone.items():
-        owner, leaf = _masks.owner_of(graph.module(mname), path)
-        mask = torch.ones_like(_masks.raw(owner, leaf).detach())
-        for axis, parts in axes.items():
-            mask.index_fill_(axis, torch.cat(parts), 0)
-        _masks.apply_mask(owner, leaf, mask)
+    with atomic() as journal:  # a failure on the third tensor leaves the first two unmasked
+        for (mname, path), axes in gone.items():
+            owner, leaf = _masks.owner_of(graph.module(mname), path)
+            mask = torch.ones_like(_masks.raw(owner, leaf).detach())
+            for axis, parts in axes.items():
+                mask.index_fill_(axis, torch.cat(parts), 0)
+            journal.module(owner)
+            _masks.apply_mask(owner, leaf, mask)
     n_units = sum(len(d.removed) for d in decisions)
     logger.info("prune_groups: masked %d units in %d tensors", n_units, len(gone))

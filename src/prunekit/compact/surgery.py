@@ -1,0 +1,101 @@
+"""Module surgery: slice a module's tensors, update its attributes, or swap in a replacement.
+
+Every change is recorded in a :class:`~prunekit.compact.journal.Journal` first when
+one is given, so a failure can put the model back exactly as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import Tensor, nn
+
+from . import _masks
+from .handlers import ModuleHandler
+from .journal import Journal
+
+__all__ = ["replace_tensor", "set_attr", "shrink_module", "slice_tensor"]
+
+
+def set_attr(module: nn.Module, path: str, value: Any) -> None:
+    """``setattr`` along a dotted path (``"query.in_features"``)."""
+    owner, leaf = _masks.owner_of(module, path)
+    setattr(owner, leaf, value)
+
+
+def replace_tensor(owner: nn.Module, leaf: str, new: Tensor) -> None:
+    """Put a copy of ``new`` in place of ``owner.leaf``: a new Parameter (same ``requires_grad``) or buffer."""
+    old = getattr(owner, leaf)
+    if isinstance(old, nn.Parameter) or leaf in owner._parameters:
+        owner._parameters[leaf] = nn.Parameter(new.detach().clone(), requires_grad=old.requires_grad)
+    else:
+        owner._buffers[leaf] = new.detach().clone()
+
+
+def slice_tensor(t: Tensor, keep: Dict[int, Tensor]) -> Tensor:
+    """``t`` restricted to the indices ``keep[axis]`` along each axis."""
+    for axis, idx in keep.items():
+        t = t.index_select(axis, idx.to(t.device))
+    return t
+
+
+def shrink_module(
+    model: nn.Module, mname: str, handler: ModuleHandler, removed: Dict[str, Tensor], journal: Optional[Journal] = None
+) -> Dict[str, Any]:
+    """Slice one module's tensors; returns its entry of the compaction description.
+
+    ``removed``: per slot name, the sorted indices that go. With a ``journal``, every
+    module touched and every tensor changed in place is recorded first.
+    """
+    module = model.get_submodule(mname) if mname else model
+    if journal is not None:
+        journal.modules(module)
+    slots = handler.slots(module)
+    sizes = {s: spec.size - int(removed.get(s, torch.empty(0)).numel()) for s, spec in slots.items()}
+    # which positions of which tensor go away
+    drop: Dict[str, Dict[int, List[Tensor]]] = {}
+    for sname, idx in removed.items():
+        for e in slots[sname].entries:
+            drop.setdefault(e.path, {}).setdefault(e.axis, []).append(idx + e.offset)
+    # bake every mask under this module, remembering it
+    masks: Dict[str, Tensor] = {}
+    for sub_name, sub, name in list(_masks.iter_masks(module)):
+        if journal is not None:  # baking zeroes the masked entries of name_orig in place
+            journal.tensor(_masks.raw(sub, name))
+        masks[f"{sub_name}.{name}" if sub_name else name] = _masks.bake(sub, name)
+    replacement = handler.convert(module, sizes)
+    if replacement is not None:
+        parent, leaf = _masks.owner_of(model, mname)
+        if journal is not None:
+            journal.module(parent)
+        setattr(parent, leaf, replacement)
+        module = replacement
+    shapes: Dict[str, List[int]] = {}
+    for path, axes in drop.items():
+        owner, leaf = _masks.owner_of(module, path)
+        t = getattr(owner, leaf)
+        keep = {}
+        for axis, parts in axes.items():
+            gone = torch.zeros(t.shape[axis], dtype=torch.bool)
+            gone[torch.cat(parts)] = True
+            keep[axis] = (~gone).nonzero().flatten()
+        replace_tensor(owner, leaf, slice_tensor(t, keep))
+        shapes[path] = list(getattr(owner, leaf).shape)
+        if path in masks:
+            masks[path] = slice_tensor(masks[path], keep)
+    attrs = handler.attrs(module, sizes)
+    for path, value in attrs.items():
+        set_attr(module, path, value)
+    for path, mask in masks.items():
+        if not bool((mask != 0).all()):
+            owner, leaf = _masks.owner_of(module, path)
+            _masks.apply_mask(owner, leaf, mask)
+    entry: Dict[str, Any] = {
+        "attrs": {k: list(v) if isinstance(v, tuple) else v for k, v in attrs.items()},
+        "tensors": shapes,
+    }
+    if replacement is not None:
+        entry["class"] = type(replacement).__name__
+        entry["init"] = replacement.init_kwargs()
+    return entry
