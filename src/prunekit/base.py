@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from . import reparam
+from . import _sharded, reparam
 from ._backend import TORCH, backend_of, is_tensor, same_backend
 from .errors import PruningError
 
@@ -161,11 +161,15 @@ class BasePruningMethod(ABC):
         method._tensor_name = name
         existing = module._buffers[name + "_mask"] if pruned else None
         b = backend_of(orig) or TORCH
+        sharded = _sharded.handler_for(orig)
         try:
             out_dtype = resolve_mask_dtype(mask_dtype, orig, existing)
             with b.no_grad():
-                mask = _compute(method, old, module, name, orig, existing, importance_scores)
-                mask = _as_stored_mask(mask, orig, out_dtype)
+                if sharded is None:
+                    mask = _compute(method, old, module, name, orig, existing, importance_scores)
+                    mask = _as_stored_mask(mask, orig, out_dtype)
+                else:  # a DTensor shard: the same decision, made across ranks (prunekit.distributed)
+                    mask = sharded.compute_mask(method, module, name, orig, existing, importance_scores, out_dtype)
         except (ValueError, TypeError, IndexError) as e:
             raise reparam.with_context(e, module, name) from None
 
@@ -175,6 +179,8 @@ class BasePruningMethod(ABC):
             reparam.install(module, name, mask, hook, hook_key)
             if old is not None and hook is old:
                 old.add_pruning_method(method)
+            if sharded is not None:
+                sharded.installed(module, name)
         except BaseException:
             snapshot.restore()
             raise

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from torch import Tensor, nn
 
-from . import reparam
+from . import _sharded, reparam
 from ._backend import TORCH, FrameworkMismatchError, backend_of, is_module, is_tensor, same_backend
 from .base import BasePruningMethod
 from .container import PruningContainer
@@ -131,8 +131,11 @@ def global_unstructured(
         masks.append(module._buffers[name + "_mask"] if pruned else None)
         scores.append(s)
 
+    sharded = _sharded.handler_for(*origs)
     with (backend_of(origs[0]) or TORCH).no_grad():
-        if type(method) is L1Unstructured or (
+        if sharded is not None:  # DTensor shards among them: one selection across ranks (prunekit.distributed)
+            new_masks = sharded.global_masks(method, pairs, origs, masks, scores)
+        elif type(method) is L1Unstructured or (
             isinstance(method, L1Unstructured) and type(method).compute_mask is L1Unstructured.compute_mask
         ):
             new_masks = _l1_masks(method, pairs, origs, masks, scores)

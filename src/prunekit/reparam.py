@@ -34,6 +34,7 @@ from typing import Any, Dict, FrozenSet, Iterator, Optional, Tuple
 
 from torch import Tensor, nn
 
+from . import _sharded
 from ._backend import TORCH, Backend, backend_of, backend_of_class, is_module, is_tensor
 
 __all__ = [
@@ -185,8 +186,15 @@ def _masked_value(module: nn.Module, name: str, orig: Tensor, mask: Tensor, b: B
 def _masked_property(name: str, b: Backend = TORCH) -> property:
     orig_key, mask_key = name + "_orig", name + "_mask"
 
+    plain = _sharded.PLAIN_TYPES
+
     def fget(self: nn.Module) -> Tensor:
-        return _masked_value(self, name, self._parameters[orig_key], self._buffers[mask_key], b)
+        orig, mask = self._parameters[orig_key], self._buffers[mask_key]
+        if type(mask) not in plain or type(orig) not in plain:
+            sharded = _sharded.handler_for(orig, mask)
+            if sharded is not None:  # DTensor shards: prunekit.distributed computes it
+                return sharded.value(self, name, orig, mask)
+        return _masked_value(self, name, orig, mask, b)
 
     def fset(self: nn.Module, value: Any) -> None:
         raise AttributeError(
@@ -305,6 +313,9 @@ class Snapshot:
         for k, n in self.container_sizes.items():
             self.hooks[k]._pruning_methods = self.hooks[k]._pruning_methods[:n]
         drop_cache(m)
+        sharded = _sharded.handler_for(*self.params.values())
+        if sharded is not None:
+            sharded.restored(m)
 
 
 def install(module: nn.Module, name: str, mask: Tensor, method: Any, hook_key: Optional[int]) -> None:
@@ -366,6 +377,9 @@ def remove(module: nn.Module, name: str) -> nn.Module:
     module._non_persistent_buffers_set.discard(name + "_mask")
     drop_cache(module, name)
     module.register_parameter(name, orig)
+    sharded = _sharded.handler_for(orig)
+    if sharded is not None:
+        sharded.uninstalled(module, name)
     return module
 
 

@@ -1,0 +1,63 @@
+"""The one door from single-process code to sharded tensors (``torch.distributed`` ``DTensor``).
+
+The reparameterization and the pruning methods ask :func:`handler_for` whether
+a tensor is sharded; for ordinary tensors the answer costs one type lookup and
+is ``None``, so single-process paths stay as they are. :mod:`prunekit.distributed`
+registers the handler that serves sharded tensors (imported by ``prunekit``'s
+``__init__``, without importing ``torch.distributed.tensor`` until a sharded
+tensor actually shows up).
+
+A handler provides:
+
+* ``claims_type(cls) -> bool``: whether tensors of class ``cls`` are sharded;
+* ``value(module, name, orig, mask)``: the pruned tensor's effective value;
+* ``compute_mask(method, old, module, name, orig, existing, importance_scores, dtype)``:
+  the new mask of a pruning method, as a sharded tensor;
+* ``installed(module, name)`` / ``uninstalled(module, name)``: after a mask is
+  stored, and after the reparameterization is removed;
+* ``global_masks(method, pairs, origs, masks, scores)``: the masks of
+  ``global_unstructured`` over tensors some of which are sharded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+__all__ = ["PLAIN_TYPES", "handler_for", "register"]
+
+#: classes that are never sharded: checked first, for free
+PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+
+_HANDLER: Optional[Any] = None
+_CLAIMED: Dict[type, bool] = {}
+
+
+def register(handler: Any) -> None:
+    """Make ``handler`` serve sharded tensors (replaces any earlier one)."""
+    global _HANDLER
+    _HANDLER = handler
+    _CLAIMED.clear()
+
+
+def handler_for(*tensors: Any) -> Optional[Any]:
+    """The registered handler if any of ``tensors`` is sharded, else ``None``.
+
+    Example:
+        >>> import torch
+        >>> handler_for(torch.zeros(3), torch.nn.Parameter(torch.ones(2))) is None
+        True
+    """
+    if _HANDLER is None:
+        return None
+    for t in tensors:
+        cls = type(t)
+        if cls in PLAIN_TYPES:
+            continue
+        claimed = _CLAIMED.get(cls)
+        if claimed is None:
+            claimed = _CLAIMED[cls] = bool(_HANDLER.claims_type(cls))
+        if claimed:
+            return _HANDLER
+    return None

@@ -1,0 +1,97 @@
+"""Pruning sharded models: FSDP2 (``fully_shard``) and other ``DTensor`` parameters, and DDP.
+
+The whole pruning API works on ``DTensor`` parameters on a 1-D device mesh
+(``Shard(dim)`` or ``Replicate()``) and gives exactly the masks the same call
+gives the unsharded model in one process -- without gathering any weights:
+
+* magnitude selection (``l1_unstructured``, ``global_unstructured``) sums one
+  histogram over the ranks and gathers a few candidate keys
+  (:mod:`prunekit.kernels.select_sharded`);
+* channel norms are computed per shard and reduced (one value per channel);
+* random methods draw the numbers one process would draw (rank 0's generator).
+
+Masks live beside their shard: ``name_mask`` is a ``DTensor`` placed like the
+parameter, so a rank holds only its part. Under FSDP2 the forward pass,
+backward pass and optimizer steps work unchanged (:mod:`prunekit.distributed.fsdp`).
+
+Under DDP parameters are plain tensors, identical on every rank: every rank
+makes the same decision on its own, and nothing needs to be exchanged (seed
+every rank alike for the random methods).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _sharded
+from .layout import is_dtensor
+
+__all__ = ["GroupComm", "is_dtensor", "shard_masks"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GroupComm":  # imports torch.distributed only when asked for
+        from .comm import GroupComm
+
+        return GroupComm
+    raise AttributeError(f"module 'prunekit.distributed' has no attribute {name!r}")
+
+
+class _LazyHandler:
+    """Registered at import; loads the real handler (and torch.distributed.tensor) on first use."""
+
+    _real = None
+
+    def claims_type(self, cls: type) -> bool:
+        from .layout import is_dtensor_type
+
+        return is_dtensor_type(cls)
+
+    def __getattr__(self, attr: str) -> Any:
+        if _LazyHandler._real is None:
+            from .handler import ShardedHandler
+
+            _LazyHandler._real = ShardedHandler()
+        return getattr(_LazyHandler._real, attr)
+
+
+_sharded.register(_LazyHandler())
+
+
+def shard_masks(model: nn.Module) -> int:
+    """Replace full-size masks of sharded parameters by shards placed like the parameters.
+
+    For a model pruned *before* ``fully_shard``: each rank then keeps only its
+    part of every mask, and the pruned parameters are wired to FSDP2 as if they
+    had been pruned after it. Returns how many masks were converted.
+
+    Example (nothing sharded: nothing to do):
+        >>> import torch, prunekit
+        >>> m = prunekit.l1_unstructured(torch.nn.Linear(4, 2), "weight", 0.5)
+        >>> prunekit.distributed.shard_masks(m)
+        0
+    """
+    from ..reparam import describe, iter_pruned
+
+    todo = []
+    for _, module, name in iter_pruned(model):
+        orig, mask = module._parameters[name + "_orig"], module._buffers[name + "_mask"]
+        if is_dtensor(orig) and not is_dtensor(mask):
+            todo.append((module, name, orig, mask))
+    if not todo:
+        return 0
+    from . import fsdp
+    from .layout import piece_of, wrap
+
+    new = []
+    for module, name, orig, mask in todo:
+        piece = piece_of(orig, describe(module, name))
+        local = piece.spec.local_slice(mask).to(piece.local.device).clone(memory_format=torch.contiguous_format)
+        new.append(wrap(local, piece))
+    for (module, name, _, _), m in zip(todo, new):
+        module._buffers[name + "_mask"] = m
+        fsdp.wire(module, name)
+    return len(todo)

@@ -1,0 +1,180 @@
+"""Pruned parameters under FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+FSDP2 keeps each parameter as a ``DTensor`` shard and, around a module's
+forward and backward, all-gathers it into a plain full tensor that it sets on
+the module under the parameter's name. A pruned parameter lives as
+``name_orig`` (the same shard object), with its mask beside it as a ``DTensor``
+shard ``name_mask`` placed like the parameter -- nothing full-size is kept.
+To make that work unchanged:
+
+* FSDP2 is told the parameter's new name (``name_orig``), so it all-gathers
+  and sets the right attribute;
+* right before the module's forward (before FSDP2's all-gather), the shard's
+  pruned entries are set to zero if the shard or the mask changed since the
+  last time (an optimizer step, a load, a new mask). The all-gathered weight
+  therefore *is* ``orig * mask``, and the forward reads it as it is, with no
+  full-size mask and no extra all-gather;
+* after FSDP2 reduce-scatters a gradient, the shard's gradient is set to zero
+  at pruned entries (a post-accumulate-grad hook), so optimizers see what they
+  see in one process: no gradient, hence no update, at pruned entries.
+
+Outside forward and backward, ``module.name`` is ``name_orig * name_mask``
+computed shard by shard (a ``DTensor``). The reverse -- ``prunekit.remove`` --
+restores FSDP2's original name and removes the hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .layout import is_dtensor
+
+__all__ = ["find_fsdp_param", "wire", "unwire", "wired"]
+
+logger = logging.getLogger(__name__)
+
+# module -> {tensor name: post-accumulate-grad hook handle}
+_GRAD_HOOKS: "weakref.WeakKeyDictionary[nn.Module, Dict[str, Any]]" = weakref.WeakKeyDictionary()
+# FSDP state -> its re-masking pre-forward hook
+_STATE_HOOKS: "weakref.WeakKeyDictionary[Any, _Remask]" = weakref.WeakKeyDictionary()
+
+
+def _states():
+    from torch.distributed._composable_state import _module_state_mapping
+
+    for ref in list(_module_state_mapping.values()):
+        state = ref()
+        if state is not None:
+            yield state
+
+
+def _param_groups(state: Any):
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # older FSDP2: one group per state
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return groups
+
+
+def find_fsdp_param(param: Any) -> Optional[Tuple[Any, Any]]:
+    """``(FSDP state, FSDPParam)`` managing ``param`` (a sharded parameter), or ``None``."""
+    for state in _states():
+        for group in _param_groups(state):
+            for fp in group.fsdp_params:
+                if fp.sharded_param is param:
+                    return state, fp
+    return None
+
+
+class _Remask:
+    """Pre-forward hook of one FSDP module: zero the pruned entries of changed shards."""
+
+    def __init__(self) -> None:
+        self.entries: Dict[Tuple[int, str], Tuple["weakref.ref[nn.Module]", str]] = {}
+        self.seen: Dict[Tuple[int, str], Tuple[int, int, int, int]] = {}
+        self.handles: list = []
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        for key, (mref, name) in list(self.entries.items()):
+            m = mref()
+            if m is None:
+                del self.entries[key]
+                continue
+            orig = m._parameters.get(name + "_orig")
+            mask = m._buffers.get(name + "_mask")
+            if orig is None or mask is None or not is_dtensor(orig) or not is_dtensor(mask):
+                continue
+            local, mlocal = orig._local_tensor, mask._local_tensor
+            stamp = (id(local), local._version, id(mlocal), mlocal._version)
+            if self.seen.get(key) == stamp:
+                continue
+            with torch.no_grad():
+                local.mul_(mlocal)
+            self.seen[key] = (id(local), local._version, id(mlocal), mlocal._version)
+
+
+def _grad_hook(mref: "weakref.ref[nn.Module]", name: str):
+    def hook(param: Any) -> None:
+        m = mref()
+        grad = param.grad
+        if m is None or grad is None:
+            return
+        mask = m._buffers.get(name + "_mask")
+        if mask is None or not is_dtensor(mask) or not is_dtensor(grad):
+            return
+        with torch.no_grad():
+            grad._local_tensor.mul_(mask._local_tensor)
+
+    return hook
+
+
+def wired(module: nn.Module, name: str) -> bool:
+    """Whether ``module.name`` is a pruned parameter wired to FSDP2 by :func:`wire`."""
+    return name in _GRAD_HOOKS.get(module, {})
+
+
+def wire(module: nn.Module, name: str) -> None:
+    """Tell FSDP2 that ``module.name`` now lives as ``name_orig`` with a sharded mask (idempotent).
+
+    A DTensor parameter that FSDP2 does not manage (``distribute_tensor``,
+    tensor parallelism) needs nothing: DTensor ops compute ``orig * mask``.
+    """
+    orig = module._parameters[name + "_orig"]
+    found = find_fsdp_param(orig)
+    if found is None:
+        return
+    state, fp = found
+    info = fp._module_info
+    if info.shared_modules:
+        raise ValueError(
+            f"{type(module).__name__}.{name} is shared with {len(info.shared_modules)} other module(s) "
+            "(tied weights) under FSDP2; prunekit cannot give one tensor two masks. Untie it, or prune "
+            "it before fully_shard"
+        )
+    if info.module is not module:
+        raise ValueError(f"FSDP2 manages {type(module).__name__}.{name} through another module; prune it there")
+    info.param_name = name + "_orig"
+    hooks = _GRAD_HOOKS.setdefault(module, {})
+    if name not in hooks:
+        hooks[name] = orig.register_post_accumulate_grad_hook(_grad_hook(weakref.ref(module), name))
+    remask = _STATE_HOOKS.get(state)
+    if remask is None:
+        remask = _STATE_HOOKS[state] = _Remask()
+        remask.handles = [m.register_forward_pre_hook(remask, prepend=True) for m in state._modules]
+    remask.entries[(id(module), name)] = (weakref.ref(module), name)
+    remask.seen.pop((id(module), name), None)
+
+
+def unwire(module: nn.Module, name: str) -> None:
+    """Undo :func:`wire` once ``module.name`` is a plain parameter again."""
+    hooks = _GRAD_HOOKS.get(module, {})
+    handle = hooks.pop(name, None)
+    if handle is not None:
+        handle.remove()
+    param = module._parameters.get(name)
+    found = find_fsdp_param(param) if param is not None else None
+    if found is not None:
+        state, fp = found
+        fp._module_info.param_name = name
+        remask = _STATE_HOOKS.get(state)
+        if remask is not None:
+            remask.entries.pop((id(module), name), None)
+            remask.seen.pop((id(module), name), None)
+
+
+def resync(module: nn.Module) -> None:
+    """After a rollback restored ``module``'s parameters: point FSDP2 at their current names and drop
+    the hooks of tensors that are no longer pruned."""
+    for name in list(_GRAD_HOOKS.get(module, {})):
+        if name + "_orig" not in module._parameters:
+            unwire(module, name)
+    for key, param in module._parameters.items():
+        if param is not None and is_dtensor(param):
+            found = find_fsdp_param(param)
+            if found is not None:
+                found[1]._module_info.param_name = key
