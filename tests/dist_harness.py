@@ -27,6 +27,8 @@ from typing import Dict, List, Sequence
 
 PG_TIMEOUT_S = 60
 HERE = os.path.dirname(os.path.abspath(__file__))
+#: CPU seconds per rank and scenario of the last run_world call ("startup": imports and joining)
+LAST_CPU: Dict[int, Dict[str, float]] = {}
 
 
 def run_world(world: int, scenarios: Sequence[str], timeout_s: float = 240) -> Dict[str, Dict[int, str]]:
@@ -58,7 +60,12 @@ def run_world(world: int, scenarios: Sequence[str], timeout_s: float = 240) -> D
         for p in procs:
             p.wait()
     results: Dict[str, Dict[int, str]] = {s: {} for s in scenarios}
+    LAST_CPU.clear()
     for rank, log in enumerate(logs):
+        cpu_path = os.path.join(tmp, f"rank{rank}.cpu.json")
+        if os.path.exists(cpu_path):
+            with open(cpu_path) as f:
+                LAST_CPU[rank] = json.load(f)
         path = os.path.join(tmp, f"rank{rank}.json")
         done = {}
         if os.path.exists(path):
@@ -93,17 +100,22 @@ def _main(tmp: str, rank: int, world: int, scenarios: List[str]) -> None:
     import dist_scenarios
 
     out: Dict[str, str] = {}
+    cpu: Dict[str, float] = {"startup": round(time.process_time(), 2)}
     path = os.path.join(tmp, f"rank{rank}.json")
     try:
         for name in scenarios:
             torch.manual_seed(0)
+            t0 = time.process_time()
             try:
                 getattr(dist_scenarios, name)(rank, world)
                 out[name] = "ok"
             except Exception:  # recorded per scenario; the others still run
                 out[name] = traceback.format_exc()
+            cpu[name] = round(time.process_time() - t0, 2)
             with open(path + ".tmp", "w") as f:
                 json.dump(out, f)
+            with open(os.path.join(tmp, f"rank{rank}.cpu.json"), "w") as f:
+                json.dump(cpu, f)
             os.replace(path + ".tmp", path)
             dist.barrier()
     finally:

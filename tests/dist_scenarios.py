@@ -307,3 +307,247 @@ def prune_before_shard(rank: int, world: int) -> None:
     check_equal(twin[5].weight, ref[5].weight, "effective weight")
     x = torch.randn(2, 3, 8, 8)
     assert torch.allclose(twin(x), ref(x), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------- training-aware pruning
+def _train_net() -> nn.Module:
+    # 8 output rows everywhere: shard boundaries fall on multiples of 2 for 2 and 4 ranks
+    return nn.Sequential(nn.Conv2d(4, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 2 * 2, 8), nn.ReLU(),
+                         nn.Linear(8, 8))
+
+
+def _pruning_config(prune_type: str, pattern: str, scope: str, **extra):
+    target = {"2:4": 0.5, "1:4": 0.75}.get(pattern, 0.6)
+    cfg = {"prune_type": prune_type, "pattern": pattern, "target_sparsity": target, "prune_domain": scope,
+           "start_step": 0, "end_step": 0}
+    cfg.update(extra)
+    return cfg
+
+
+def _masks(model: nn.Module):
+    return {n: m._buffers["weight_mask"] for n, m in model.named_modules() if "weight_mask" in m._buffers}
+
+
+def training_oneshot_equal(rank: int, world: int) -> None:
+    """One mask update of every pattern and scope (and caps) equals the single-process update."""
+    patterns = ["1x1", "2x1", "1x2", "2:4", "1xchannel", "channelx1"]
+    configs = [(p, s, {}) for p in patterns for s in ("global", "local")]
+    configs += [("1x1", "global", {"max_sparsity_ratio_per_layer": 0.65}),
+                ("2x1", "global", {"min_sparsity_ratio_per_layer": 0.55}),
+                ("1x1", "local", {"max_sparsity_ratio_per_layer": 0.62})]
+    for prune_type in ("magnitude", "snip"):
+        for pattern, scope, extra in configs:
+            what = f"{prune_type} {pattern} {scope} {extra}"
+            torch.manual_seed(0)
+            ref = _train_net()
+            twin = _shard_net(copy.deepcopy(ref))
+            cfg = _pruning_config(prune_type, pattern, scope, **extra)
+            p_ref = prunekit.prepare_pruning(ref, cfg)
+            p_twin = prunekit.prepare_pruning(twin, cfg)
+            x = torch.randn(2 * world, 4, 4, 4, generator=torch.Generator().manual_seed(1))
+            ref(x).square().mean().backward()
+            mine = slice(2 * rank, 2 * rank + 2)
+            (twin(x[mine]).square().mean() / 1.0).backward()
+            for p in (p_ref, p_twin):
+                p.on_step_begin(0)
+                p.on_before_optimizer_step()
+                p.on_step_end()
+            got, want = _masks(twin), _masks(ref)
+            assert set(got) == set(want), what
+            for n in want:
+                check_equal(got[n], want[n], f"{what}: {n}")
+
+
+def training_run(rank: int, world: int) -> None:
+    """Each pruner trains an FSDP2 model to its target exactly; pruned weights stay zero."""
+    for prune_type, pattern in (("magnitude", "1x1"), ("snip", "2:4"), ("snip_momentum", "2x1"),
+                                ("gradient", "1x2"), ("pattern_lock", "1x1")):
+        torch.manual_seed(0)
+        model = _shard_net(_train_net())
+        if prune_type == "pattern_lock":
+            prunekit.l1_unstructured(model[3], "weight", 0.5)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        cfg = _pruning_config(prune_type, pattern, "global", start_step=1, end_step=4, update_frequency_on_step=1)
+        pruning = prunekit.prepare_pruning(model, cfg, opt)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(7):
+            opt.zero_grad()
+            model(torch.randn(4, 4, 4, 4, generator=g)).square().mean().backward()
+            opt.step()
+        masks = _masks(model)
+        zeros = sum(int((m.to_local() == 0).sum()) for m in masks.values())
+        total = sum(m.numel() for m in masks.values())
+        counts = torch.tensor([zeros])
+        dist.all_reduce(counts)
+        if prune_type == "pattern_lock":  # keeps exactly the zeros it found
+            assert int(counts) == 128, (prune_type, int(counts))  # half of the 32x8 layer
+        else:  # the target, in whole units of the pattern
+            unit = 2 if pattern in ("2x1", "1x2") else 1
+            assert int(counts) == round(cfg["target_sparsity"] * total / unit) * unit, (prune_type, int(counts))
+        for n, m in model.named_modules():
+            if "weight_mask" in m._buffers:
+                local = m.weight_orig.to_local()
+                assert torch.all(local[m.weight_mask.to_local() == 0] == 0), (prune_type, n)
+                assert torch.all(m.weight.to_local()[m.weight_mask.to_local() == 0] == 0), (prune_type, n)
+        pruning.unwire()
+
+
+def ddp_training(rank: int, world: int) -> None:
+    """Under DDP (plain tensors) every rank reaches the same masks with a gradient criterion."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = _train_net()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    cfg = _pruning_config("snip_momentum", "1x1", "global", start_step=0, end_step=3)
+    prunekit.prepare_pruning(model, cfg, opt)
+    g = torch.Generator().manual_seed(rank)  # different data per rank: the gradients are averaged
+    for _ in range(5):
+        opt.zero_grad()
+        ddp(torch.randn(4, 4, 4, 4, generator=g)).square().mean().backward()
+        opt.step()
+    for n, m in _masks(model).items():
+        same_on_all_ranks(m, f"mask {n}")
+    zeros = sum(int((m == 0).sum()) for m in _masks(model).values())
+    assert zeros == round(0.6 * sum(m.numel() for m in _masks(model).values()))
+
+
+# ----------------------------------------------------------------- checkpoints
+class _SharedDir:
+    """A temporary directory every rank uses (made by rank 0, removed by it at the end)."""
+
+    def __enter__(self) -> str:
+        import tempfile
+
+        box = [tempfile.mkdtemp(prefix="prunekit-dcp-") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        self.path = box[0]
+        return self.path
+
+    def __exit__(self, *exc) -> None:
+        import shutil
+
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def dcp_round_trip(rank: int, world: int) -> None:
+    """A pruned FSDP2 model saved with DCP loads (masks included) into a fresh, unpruned one."""
+    import os
+
+    torch.manual_seed(0)
+    model = _shard_net(_net())
+    prunekit.global_unstructured([(model[i], "weight") for i in (0, 2, 5)], prunekit.L1Unstructured, amount=0.6)
+    prunekit.ln_structured(model[7], "weight", 1, 2, 0, mask_dtype=torch.bool)
+    with _SharedDir() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        prunekit.distributed.save(path, model)
+        torch.manual_seed(1)
+        fresh = _shard_net(_net())
+        prunekit.distributed.load(path, fresh)
+    for i in (0, 2, 5, 7):
+        for key in ("weight_orig", "weight_mask", "bias"):
+            a, b = getattr(model[i], key), getattr(fresh[i], key)
+            assert isinstance(b, DTensor) and b.dtype == a.dtype, (i, key)
+            assert torch.equal(a.to_local(), b.to_local()), (i, key)
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.equal(model(x), fresh(x))
+    # the fresh model trains like the original (its masks are wired to FSDP2)
+    for m in (model, fresh):
+        m(x).sum().backward()
+    for i in (0, 2, 5, 7):
+        assert torch.equal(model[i].weight_orig.grad.to_local(), fresh[i].weight_orig.grad.to_local()), i
+
+
+def training_resume(rank: int, world: int) -> None:
+    """Pruning state saved mid-schedule and resumed in fresh processes' objects continues identically."""
+    import os
+
+    cfg = _pruning_config("snip_momentum", "1x1", "global", start_step=0, end_step=6)
+
+    def fresh():
+        torch.manual_seed(0)
+        model = _shard_net(_train_net())
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        return model, opt, prunekit.prepare_pruning(model, cfg, opt)
+
+    def steps(model, opt, start, stop):
+        for s in range(start, stop):
+            g = torch.Generator().manual_seed(100 * s + rank)
+            opt.zero_grad()
+            model(torch.randn(4, 4, 4, 4, generator=g)).square().mean().backward()
+            opt.step()
+
+    model, opt, pruning = fresh()
+    steps(model, opt, 0, 3)
+    with _SharedDir() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        prunekit.distributed.save(path, model, pruning)
+        steps(model, opt, 3, 8)
+        model2, opt2, pruning2 = fresh()
+        prunekit.distributed.load(path, model2, pruning2)
+    assert pruning2.global_step == 3 and set(pruning2.pruners[0].scores) == set(pruning.pruners[0].scores)
+    steps(model2, opt2, 3, 8)
+    for (n, a), (_, b) in zip(_masks(model).items(), _masks(model2).items()):
+        assert torch.equal(a.to_local(), b.to_local()), n
+    for (n, a), (_, b) in zip(model.named_parameters(), model2.named_parameters()):
+        assert torch.equal(a.to_local(), b.to_local()), n
+
+
+# ----------------------------------------------------------------- the README's torchrun script
+def readme_example(rank: int, world: int) -> None:
+    """The README's "Pruning sharded models" script runs as torchrun would run it and prints what it says."""
+    import contextlib
+    import io
+    import os
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "init_process_group" in b]
+    assert len(blocks) == 1, f"expected one torchrun block in the README, found {len(blocks)}"
+    code = blocks[0]
+    claimed = re.findall(r"print\(.*\)\s+# (.*)", code)
+    init, destroy = dist.init_process_group, dist.destroy_process_group
+    out = io.StringIO()
+    with _SharedDir() as tmp:
+        cwd = os.getcwd()
+        os.chdir(tmp)
+        dist.init_process_group = lambda *a, **k: None  # the harness already joined the group
+        dist.destroy_process_group = lambda *a, **k: None
+        try:
+            with contextlib.redirect_stdout(out):
+                exec(compile(code, "README torchrun block", "exec"), {"__name__": "__main__"})
+            assert os.path.isdir("pruned-ckpt")
+        finally:
+            dist.init_process_group, dist.destroy_process_group = init, destroy
+            os.chdir(cwd)
+    printed = out.getvalue().strip().splitlines()
+    if rank == 0:
+        assert printed == claimed, (printed, claimed)
+    else:
+        assert printed == [], printed
+
+
+def prune_while_gathered(rank: int, world: int) -> None:
+    """Pruning FSDP2's all-gathered copy (root parameters kept gathered after a forward) is refused."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 4)
+    fully_shard(model, mesh=mesh(), reshard_after_forward=False)
+    with torch.no_grad():
+        model(torch.randn(2, 6))
+    assert not isinstance(model.weight, DTensor)  # gathered, and kept so
+    for call in (lambda: prunekit.l1_unstructured(model, "weight", 0.5),
+                 lambda: prunekit.global_unstructured([(model, "weight")], prunekit.L1Unstructured, amount=2)):
+        try:
+            call()
+        except ValueError as e:
+            assert "all-gathered copy" in str(e) and "reshard" in str(e), str(e)
+        else:
+            raise AssertionError("pruned the gathered copy")
+        assert not prunekit.is_pruned(model)
+    model.reshard()
+    prunekit.l1_unstructured(model, "weight", 0.5)
+    assert isinstance(model.weight_mask, DTensor)

@@ -38,6 +38,8 @@ def test_readme_block_runs(index, tmp_path, monkeypatch):
         pytest.importorskip("tensorplay")
     if "compressed" in code:
         pytest.importorskip("safetensors")
+    if "init_process_group" in code:
+        pytest.skip("a torchrun script: tests/test_distributed.py runs it on 2 processes (readme_example)")
     monkeypatch.chdir(tmp_path)
     namespace = prelude(tmp_path)
     # the compaction block uses a 224x224 input for illustration: keep the test small

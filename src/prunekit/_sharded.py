@@ -16,7 +16,10 @@ A handler provides:
 * ``installed(module, name)`` / ``uninstalled(module, name)``: after a mask is
   stored, and after the reparameterization is removed;
 * ``global_masks(method, pairs, origs, masks, scores)``: the masks of
-  ``global_unstructured`` over tensors some of which are sharded.
+  ``global_unstructured`` over tensors some of which are sharded;
+* ``check_plain(t, module, name)``: raise if a plain tensor is FSDP2's temporary
+  all-gathered copy of a sharded parameter (pruning it would detach the
+  parameter from FSDP2).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-__all__ = ["PLAIN_TYPES", "handler_for", "register"]
+__all__ = ["PLAIN_TYPES", "check_plain", "handler_for", "register"]
 
 #: classes that are never sharded: checked first, for free
 PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
@@ -61,3 +64,10 @@ def handler_for(*tensors: Any) -> Optional[Any]:
         if claimed:
             return _HANDLER
     return None
+
+
+def check_plain(t: Any, module: Any, name: str) -> None:
+    """Refuse to prune FSDP2's all-gathered copy of a parameter (cheap when no process group is up)."""
+    if _HANDLER is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return
+    _HANDLER.check_plain(t, module, name)

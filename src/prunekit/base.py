@@ -162,6 +162,8 @@ class BasePruningMethod(ABC):
         existing = module._buffers[name + "_mask"] if pruned else None
         b = backend_of(orig) or TORCH
         sharded = _sharded.handler_for(orig)
+        if sharded is None:
+            _sharded.check_plain(orig, module, name)
         try:
             out_dtype = resolve_mask_dtype(mask_dtype, orig, existing)
             with b.no_grad():

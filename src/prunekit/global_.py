@@ -132,6 +132,9 @@ def global_unstructured(
         scores.append(s)
 
     sharded = _sharded.handler_for(*origs)
+    for (module, name), orig in zip(pairs, origs):
+        if _sharded.handler_for(orig) is None:
+            _sharded.check_plain(orig, module, name)
     with (backend_of(origs[0]) or TORCH).no_grad():
         if sharded is not None:  # DTensor shards among them: one selection across ranks (prunekit.distributed)
             new_masks = sharded.global_masks(method, pairs, origs, masks, scores)

@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 from .. import _sharded
+from .checkpoint import load, save
 from .layout import is_dtensor
 
-__all__ = ["GroupComm", "is_dtensor", "shard_masks"]
+__all__ = ["GroupComm", "is_dtensor", "load", "save", "shard_masks"]
 
 
 def __getattr__(name: str) -> Any:

@@ -71,6 +71,16 @@ def find_fsdp_param(param: Any) -> Optional[Tuple[Any, Any]]:
     return None
 
 
+def is_unsharded_copy(t: Any) -> bool:
+    """Whether ``t`` is the all-gathered (unsharded) parameter FSDP2 sets on a module around its forward."""
+    for state in _states():
+        for group in _param_groups(state):
+            for fp in group.fsdp_params:
+                if getattr(fp, "_unsharded_param", None) is t:
+                    return True
+    return False
+
+
 class _Remask:
     """Pre-forward hook of one FSDP module: zero the pruned entries of changed shards."""
 

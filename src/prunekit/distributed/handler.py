@@ -51,10 +51,20 @@ class ShardedHandler:
             scores = local * old  # structured methods rank what is left (orig * mask)
         else:
             scores = local
-        mask = method_mask(method, piece, scores, old)
-        stored = torch.empty(tuple(local.shape), dtype=dtype, device=local.device)
-        stored.copy_(mask != 0 if dtype == torch.bool else mask)
-        return wrap(stored, piece)
+        mask = method_mask(method, piece, scores, old)  # a tensor of its own, the weight's float dtype
+        if dtype == torch.bool:
+            mask = mask != 0
+        elif mask.dtype != dtype or not mask.is_contiguous():
+            mask = mask.to(dtype=dtype, memory_format=torch.contiguous_format)
+        return wrap(mask, piece)
+
+    def check_plain(self, t: Tensor, module: nn.Module, name: str) -> None:
+        if fsdp.is_unsharded_copy(t):
+            raise ValueError(
+                f"{describe(module, name)} is FSDP2's all-gathered copy of a sharded parameter (the model is between a forward "
+                "and its backward, or its root keeps parameters gathered after an eval forward). Prune while "
+                "FSDP2 holds the shards: between training steps, or after model.reshard()"
+            )
 
     def installed(self, module: nn.Module, name: str) -> None:
         fsdp.wire(module, name)
@@ -64,6 +74,21 @@ class ShardedHandler:
 
     def restored(self, module: nn.Module) -> None:
         fsdp.resync(module)
+
+    # ------------------------------------------------------------------ training
+    def count_true(self, t: Tensor) -> int:
+        """The number of true (non-zero) entries of a DTensor over all ranks (collective)."""
+        return int((t != 0).sum().full_tensor())
+
+    def update_pruner_masks(self, pruner: Any, step: int) -> None:
+        from .training import update_masks
+
+        update_masks(pruner, step)
+
+    def count_pruned_units(self, pruner: Any, name: str, module: nn.Module, mask: Tensor) -> int:
+        from .training import count_pruned_units
+
+        return count_pruned_units(pruner, name, module, mask)
 
     # ------------------------------------------------------------------ global
     def global_masks(self, method: Any, pairs: Sequence[Tuple[nn.Module, str]], origs: Sequence[Tensor],

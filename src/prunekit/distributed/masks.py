@@ -77,8 +77,10 @@ def method_mask(method: Any, piece: Piece, scores: Tensor, existing: Optional[Te
             raise ValueError("this CustomFromMask was already applied; its mask lives in the module's name_mask buffer")
         from .layout import to_local_like
 
-        given = to_local_like(method.mask, piece, "mask").to(dtype=fdt, device=local.device)
-        return given.clone() if existing is None else default * given
+        given = to_local_like(method.mask, piece, "mask")
+        if existing is None:
+            return given.to(dtype=fdt, device=local.device, memory_format=torch.contiguous_format, copy=True)
+        return default * given.to(device=local.device)
     if kind == "L1Unstructured":
         eligible = None if existing is None else existing == 1
         keep = keep_mask_smallest_sharded([scores], [piece.spec], piece.comm,

@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 
 from torch import Tensor, nn
 
+from .. import _sharded
 from .._backend import TORCH, Backend, FrameworkMismatchError, backend_of, is_module, is_tensor
 from . import _masking as mk
 from .allocation import check_feasible, global_counts, local_counts
@@ -233,7 +234,7 @@ class Pruner:
                 mask = mk.get_mask(m, self.weight_name)
             else:
                 mask = initial.get(n)
-            pruned = 0 if mask is None else int(self.pattern.unit_pruned(mask).sum())
+            pruned = 0 if mask is None else self._pruned_units(n, m, mask)
             l, h = self._unit_bounds(n, shape, pruned, 1.0)
             names.append(n)
             numel.append(math.prod(shape))
@@ -245,6 +246,12 @@ class Pruner:
             check_feasible(budget, numel, lo, hi, un, names)
         except ValueError as e:
             raise ValueError(f"{self.config.where} ({type(self).__name__}): {e}") from None
+
+    def _pruned_units(self, name: str, module: nn.Module, mask: Tensor) -> int:
+        sharded = _sharded.handler_for(mask)
+        if sharded is not None:  # DTensor shards: counted across ranks (prunekit.distributed)
+            return sharded.count_pruned_units(self, name, module, mask)
+        return int(self.pattern.unit_pruned(mask).sum())
 
     def _budget(self, sparsity: float, numel, unit_numel) -> int:
         total = sum(numel)
@@ -258,7 +265,8 @@ class Pruner:
         for n, m in self.modules.items():
             mask = self.masks[n]
             total += mask.numel()
-            zeros += int((mask == 0).sum())
+            sharded = _sharded.handler_for(mask)
+            zeros += int((mask == 0).sum()) if sharded is None else sharded.count_true(mask == 0)
         return zeros / total if total else 0.0
 
     def attach_optimizer(self, optimizer: Any) -> None:
@@ -361,6 +369,10 @@ class Pruner:
 
     def update_masks(self, step: int) -> None:
         """Move every mask to the scheduled sparsity of ``step`` (masks only lose ones)."""
+        sharded = _sharded.handler_for(*self.masks.values())
+        if sharded is not None:  # DTensor shards: the same decision, made across ranks
+            sharded.update_pruner_masks(self, step)
+            return
         sparsity = self.scheduler.sparsity(step)
         names = list(self.modules)
         shapes, unit_scores, numel, un, lo, hi = [], [], [], [], [], []
