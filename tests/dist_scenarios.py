@@ -79,6 +79,8 @@ CASES = [
     ("random_unstructured", lambda m, n: (prunekit.random_unstructured(m, n, 0.4),
                                           prunekit.random_unstructured(m, n, 0.5))),
     ("ln 2 dim0", lambda m, n: prunekit.ln_structured(m, n, 0.34, 2, 0)),
+    ("ln ties", lambda m, n: (_set_ties(m, n), prunekit.ln_structured(m, n, 0.5, 1, 0),
+                              prunekit.ln_structured(m, n, 0.5, float("inf"), 1))),
     ("ln 1 dim1", lambda m, n: prunekit.ln_structured(m, n, 0.5, 1, 1)),
     ("ln inf dim1", lambda m, n: prunekit.ln_structured(m, n, 2, float("inf"), 1)),
     ("ln -inf dim0", lambda m, n: prunekit.ln_structured(m, n, 2, float("-inf"), 0)),

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ..kernels.amount import compute_nparams_to_prune, validate_pruning_amount
 from ..kernels.norms_sharded import channel_norms_sharded
+from ..kernels.select import select_lowest
 from ..kernels.select_sharded import keep_mask_smallest_sharded
 from ..kernels.sharded import gather_along, prefix_index
 from .layout import Piece
@@ -83,7 +84,9 @@ def method_mask(method: Any, piece: Piece, scores: Tensor, existing: Optional[Te
         return default * given.to(device=local.device)
     if kind == "L1Unstructured":
         eligible = None if existing is None else existing == 1
-        keep = keep_mask_smallest_sharded([scores], [piece.spec], piece.comm,
+        scorer = getattr(method, "scorer", None)  # the importance registry's criterion (element-wise)
+        ranked = scores if scorer is None else scorer.ranking_input(scores)
+        keep = keep_mask_smallest_sharded([ranked], [piece.spec], piece.comm,
                                           lambda n: _count(method.amount, n), [eligible])[0]
         return default * keep
     if kind == "RandomUnstructured":
@@ -182,8 +185,7 @@ def _structured(method: Any, kind: str, piece: Piece, scores: Tensor, existing: 
                 f"{int(nan.sum())} channel norm(s) are NaN (NaN in the weights or scores); "
                 "no channel order exists. Replace NaN first (e.g. torch.nan_to_num)"
             )
-        keep_left = torch.zeros(n_remaining, dtype=torch.bool, device=norms.device)
-        keep_left[torch.topk(norms, k=n_remaining - k, largest=True)[1]] = True
+        keep_left = ~select_lowest(norms, k)  # the lowest norms, ties by position: as in one process
     keep = torch.ones(channels, dtype=torch.bool, device=keep_left.device)
     if remaining is None:
         keep = keep_left
