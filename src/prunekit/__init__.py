@@ -39,7 +39,7 @@ from .methods import (
 )
 from .reparam import base_class, is_pruned, iter_pruned
 from .state_dict import StateDictMismatchError, dense_state_dict, load_state_dict
-from . import distributed  # noqa: E402 -- registers the DTensor handler; torch.distributed.tensor loads on first use
+from . import distributed  # noqa: F401 -- registers the DTensor handler (torch.distributed.tensor loads on first use)
 
 # torch's private spellings, so code written against torch ports by changing one import
 _validate_pruning_amount_init = validate_pruning_amount_init

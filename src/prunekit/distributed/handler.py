@@ -51,11 +51,11 @@ class ShardedHandler:
             scores = local * old  # structured methods rank what is left (orig * mask)
         else:
             scores = local
-        mask = method_mask(method, piece, scores, old)  # a tensor of its own, the weight's float dtype
-        if dtype == torch.bool:
-            mask = mask != 0
-        elif mask.dtype != dtype or not mask.is_contiguous():
-            mask = mask.to(dtype=dtype, memory_format=torch.contiguous_format)
+        mask = method_mask(method, piece, scores, old)  # 0/1 values in a tensor of its own
+        if mask.dtype != dtype:
+            mask = mask != 0 if dtype == torch.bool else mask.to(dtype)
+        if not mask.is_contiguous():
+            mask = mask.contiguous()
         return wrap(mask, piece)
 
     def check_plain(self, t: Tensor, module: nn.Module, name: str) -> None:
@@ -115,7 +115,10 @@ class ShardedHandler:
             raise ValueError(f"global_unstructured(): {describe(module, name)}: {e}") from None
         except ValueError as e:
             raise type(e)(f"global_unstructured() over {len(pairs)} tensors: {e}") from None
-        return [wrap(k, p) for k, p in zip(keeps, pieces)]
+        out = [wrap(k, p) for k, p in zip(keeps, pieces)]
+        for m in out:  # ours: apply may store them without a copy
+            m._prunekit_owned = True
+        return out
 
 
 def _pieces(pairs: Sequence[Tuple[nn.Module, str]], origs: Sequence[Tensor]) -> List[Piece]:

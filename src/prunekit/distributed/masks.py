@@ -60,7 +60,8 @@ def _float_dtype(t: Tensor) -> torch.dtype:
 
 
 def method_mask(method: Any, piece: Piece, scores: Tensor, existing: Optional[Tensor]) -> Tensor:
-    """This rank's part of the mask ``method`` gives the whole tensor (float dtype of the weight).
+    """This rank's part of the mask ``method`` gives the whole tensor: 0/1 values, a tensor of its own
+    (the weight's float dtype, or the given mask's for ``CustomFromMask``).
 
     ``scores``: the local part of what is ranked (importance scores, the
     weights, or for a structured method on a pruned tensor ``orig * mask``);
@@ -78,10 +79,12 @@ def method_mask(method: Any, piece: Piece, scores: Tensor, existing: Optional[Te
             raise ValueError("this CustomFromMask was already applied; its mask lives in the module's name_mask buffer")
         from .layout import to_local_like
 
-        given = to_local_like(method.mask, piece, "mask")
-        if existing is None:
-            return given.to(dtype=fdt, device=local.device, memory_format=torch.contiguous_format, copy=True)
-        return default * given.to(device=local.device)
+        given = to_local_like(method.mask, piece, "mask").to(local.device)
+        if existing is not None:
+            return default * given
+        if getattr(method.mask, "_prunekit_owned", False) and given.is_contiguous():
+            return given  # global_unstructured's own keep-mask: stored as it is, no copy
+        return given.to(memory_format=torch.contiguous_format, copy=True)
     if kind == "L1Unstructured":
         eligible = None if existing is None else existing == 1
         scorer = getattr(method, "scorer", None)  # the importance registry's criterion (element-wise)
