@@ -553,3 +553,21 @@ def prune_while_gathered(rank: int, world: int) -> None:
     model.reshard()
     prunekit.l1_unstructured(model, "weight", 0.5)
     assert isinstance(model.weight_mask, DTensor)
+
+
+def reports(rank: int, world: int) -> None:
+    """model_report and the pruners' report count a sharded model as one process counts it."""
+    torch.manual_seed(0)
+    ref = _train_net()
+    twin = _shard_net(copy.deepcopy(ref))
+    cfg = _pruning_config("magnitude", "2x1", "global")
+    p_ref, p_twin = prunekit.prepare_pruning(ref, cfg), prunekit.prepare_pruning(twin, cfg)
+    for p in (p_ref, p_twin):
+        p.on_step_begin(0)
+        p.on_step_end()
+    got, want = p_twin.report(), p_ref.report()
+    assert got == want, (got, want)
+    a, b = prunekit.model_report(twin), prunekit.model_report(ref)
+    assert (a.nonzero_all, a.numel_all, [e.nonzero for e in a.layers]) == \
+        (b.nonzero_all, b.numel_all, [e.nonzero for e in b.layers])
+    assert [(e.zero_channels, e.fits_2_4) for e in a.layers] == [(e.zero_channels, e.fits_2_4) for e in b.layers]

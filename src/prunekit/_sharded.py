@@ -17,6 +17,8 @@ A handler provides:
   stored, and after the reparameterization is removed;
 * ``global_masks(method, pairs, origs, masks, scores)``: the masks of
   ``global_unstructured`` over tensors some of which are sharded;
+* ``count_true(t)`` / ``full(t)``: a sharded tensor's non-zero count / whole
+  value, on every rank (collective; for reports);
 * ``check_plain(t, module, name)``: raise if a plain tensor is FSDP2's temporary
   all-gathered copy of a sharded parameter (pruning it would detach the
   parameter from FSDP2).
@@ -28,7 +30,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-__all__ = ["PLAIN_TYPES", "check_plain", "handler_for", "register"]
+__all__ = ["PLAIN_TYPES", "check_plain", "count_nonzero", "handler_for", "register", "whole"]
 
 #: classes that are never sharded: checked first, for free
 PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
@@ -71,3 +73,21 @@ def check_plain(t: Any, module: Any, name: str) -> None:
     if _HANDLER is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return
     _HANDLER.check_plain(t, module, name)
+
+
+def count_nonzero(t: Any) -> int:
+    """The number of non-zero entries of ``t``, over all ranks for a sharded tensor (then collective).
+
+    Example:
+        >>> import torch
+        >>> count_nonzero(torch.tensor([0.0, 2.0, -1.0]))
+        2
+    """
+    h = handler_for(t)
+    return int((t != 0).sum()) if h is None else h.count_true(t != 0)
+
+
+def whole(t: Any) -> Any:
+    """``t`` itself, or the whole tensor on every rank for a sharded one (collective: one tensor gathered)."""
+    h = handler_for(t)
+    return t if h is None else h.full(t)

@@ -41,6 +41,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from . import _sharded
+
 __all__ = [
     "LayerReport",
     "ModelReport",
@@ -141,8 +143,8 @@ class ModelReport:
 # The measuring helpers below are shared with :func:`prunekit.training.sparsity_report`,
 # so the two reports cannot disagree on what a tensor holds or how it is counted.
 def _count(t: Tensor) -> Tuple[int, int]:
-    """``(elements, non-zero elements)`` of ``t`` (NaN counts as non-zero)."""
-    return t.numel(), int((t != 0).sum())
+    """``(elements, non-zero elements)`` of ``t`` (NaN counts as non-zero; DTensor shards: over all ranks)."""
+    return t.numel(), _sharded.count_nonzero(t)
 
 
 def _fraction(part: int, whole: int) -> float:
@@ -159,7 +161,7 @@ def _block_counts(nz: Tensor, pattern: Any) -> Optional[Tuple[int, int]]:
     """
     if pattern.check(tuple(nz.shape)) is not None:
         return None
-    units = pattern.to_units(nz).any(dim=1)
+    units = pattern.to_units(_sharded.whole(nz)).any(dim=1)
     return units.numel(), int((~units).sum())
 
 
@@ -172,6 +174,7 @@ def _measure(name: str, t: Tensor, masked: bool) -> Tuple[LayerReport, int, int,
     """
     from .training.patterns import get_pattern, to_2d
 
+    t = _sharded.whole(t)  # a DTensor shard: measured whole (gathered, one tensor at a time)
     nz = t != 0
     numel, nonzero = _count(t)
     out_ch = int(t.shape[0])

@@ -80,6 +80,10 @@ class ShardedHandler:
         """The number of true (non-zero) entries of a DTensor over all ranks (collective)."""
         return int((t != 0).sum().full_tensor())
 
+    def full(self, t: Tensor) -> Tensor:
+        """The whole tensor on every rank (collective; reports gather one tensor at a time)."""
+        return t.full_tensor()
+
     def update_pruner_masks(self, pruner: Any, step: int) -> None:
         from .training import update_masks
 
