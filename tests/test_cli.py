@@ -234,6 +234,48 @@ def test_prune_bad_model_and_weights(capsys, tmp_path, cnn_weights):
     assert_one_line_error(code, err, 2, "folder does not exist")
 
 
+@pytest.mark.parametrize("how", [["--amount", "0.5"], ["--method", "ln_structured", "--amount", "0.5"],
+                                 ["--pattern", "2:4"], ["--pattern", "4x1", "--amount", "0.5"], ["--config"]])
+def test_prune_layers_matching_nothing_is_the_same_error_for_every_option(capsys, tmp_path, how):
+    if how == ["--config"]:
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump({"prune_type": "magnitude", "pattern": "1x1",
+                                                          "target_sparsity": 0.5}))
+        how = ["--config", tmp_path / "c.yaml"]
+    code, out, err = run(capsys, "prune", "--model", MLP, *how, "--layers", "nomatch", "--out", tmp_path / "x.st",
+                         "--report", tmp_path / "r.json")
+    assert_one_line_error(code, err, 2, "--layers 'nomatch' matches no Linear/Conv layer; the model's layers are: 0, 2, 4")
+    assert out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["c.yaml"] if "--config" in how else [])
+
+
+@pytest.mark.parametrize("how", [["--amount", "0.5"], ["--method", "l1_unstructured", "--amount", "0.5"],
+                                 ["--pattern", "1x1", "--amount", "0.5"], ["--config"]])
+def test_prune_layers_selects_the_same_layers_for_every_option(capsys, tmp_path, how):
+    if how == ["--config"]:
+        # the config selects 0 and 2; --layers narrows that to 2
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump({"prune_type": "magnitude", "pattern": "1x1",
+                                                          "target_sparsity": 0.5, "names": ["^[02]$"]}))
+        how = ["--config", tmp_path / "c.yaml"]
+    d = run_json(capsys, "prune", "--model", MLP, *how, "--layers", "^[24]$", "--out", tmp_path / "x.st")
+    layers = {e["name"]: e for e in d["report"]["layers"]}
+    assert not layers["0.weight"]["masked"] and layers["0.weight"]["sparsity"] == 0.0
+    assert layers["2.weight"]["masked"]
+    pruned = ["2.weight"] if "--config" in how else ["2.weight", "4.weight"]
+    assert [n for n, e in layers.items() if e["masked"]] == pruned
+    numel = sum(layers[n]["numel"] for n in pruned)
+    zeros = sum(round(layers[n]["sparsity"] * layers[n]["numel"]) for n in pruned)
+    assert zeros == numel // 2
+    if "--config" in how:
+        assert d["pruning"]["config"]["pruners"][0]["names"] == ["^2$"]
+
+
+def test_prune_config_selecting_nothing_is_an_error(capsys, tmp_path):
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"prune_type": "magnitude", "prune_layer_type": ["Conv2d"]}))
+    code, out, err = run(capsys, "prune", "--model", MLP, "--config", tmp_path / "c.yaml", "--out", tmp_path / "x.st")
+    assert_one_line_error(code, err, 2, "prune_layer_type=['Conv2d'] matches no layer of Sequential")
+    assert not (tmp_path / "x.st").exists()
+
+
 def test_prune_gradient_config_is_refused(capsys, tmp_path):
     (tmp_path / "s.yaml").write_text(yaml.safe_dump({"prune_type": "snip_momentum", "target_sparsity": 0.5}))
     code, _, err = run(capsys, "prune", "--model", MLP, "--config", tmp_path / "s.yaml", "--out", tmp_path / "o.st")

@@ -71,6 +71,35 @@ def complex_param(fw):
     return m
 
 
+def mlp(fw):
+    fw.manual_seed(0)
+    return fw.nn.Sequential(fw.nn.Linear(4, 8), fw.nn.ReLU(), fw.nn.Linear(8, 4))
+
+
+def pruned_mlp(fw):
+    m = mlp(fw)
+    prune.l1_unstructured(m[0], "weight", 0.25)
+    return m
+
+
+def _prepare(config):
+    from prunekit.training import prepare_pruning
+
+    def call(m, fw):
+        prepare_pruning(m, {"prune_type": "magnitude", "pattern": "1x1", "target_sparsity": 0.5, **config})
+
+    return call
+
+
+def _pruner(config):
+    from prunekit.training import MagnitudePruner
+
+    def call(m, fw):
+        MagnitudePruner(m, {"prune_type": "magnitude", "pattern": "1x1", "target_sparsity": 0.5, **config})
+
+    return call
+
+
 # (label, module factory, call, error type, words the message must contain)
 CASES = [
     ("amount is a string", linear, lambda m, fw: prune.l1_unstructured(m, "weight", "0.3"), TypeError, ["Linear", "weight", "'0.3'"]),
@@ -118,6 +147,14 @@ CASES = [
     ("global: amount above total", linear, lambda m, fw: prune.global_unstructured([(m, "weight"), (m, "bias")], prune.L1Unstructured, amount=16), ValueError, ["amount=16", "15"]),
     ("global: scores wrong shape", linear, lambda m, fw: prune.global_unstructured([(m, "weight")], prune.L1Unstructured, importance_scores={(m, "weight"): fw.tensor(torch.ones(2))}, amount=0.5), prune.PruningError, ["Linear", "weight", "(2,)"]),
     ("global: scores not a dict", linear, lambda m, fw: prune.global_unstructured([(m, "weight")], prune.L1Unstructured, importance_scores=[1], amount=0.5), TypeError, ["dict"]),
+    ("training: names match no layer", mlp, _prepare({"names": ["nomatch"]}), ValueError, ["names=['nomatch']", "match none", "['0', '2']"]),
+    ("training: names match no layer, pruned model", pruned_mlp, _prepare({"names": ["^fc"]}), ValueError, ["names=['^fc']", "['0', '2']"]),
+    ("training: misspelled layer type", mlp, _prepare({"prune_layer_type": ["Linaer"]}), ValueError, ["prune_layer_type=['Linaer']", "['Linear']", "Did you mean 'Linear'"]),
+    ("training: layer type of no layer", mlp, _prepare({"prune_layer_type": ["Conv2d"]}), ValueError, ["prune_layer_type=['Conv2d']", "Sequential", "['Linear']"]),
+    ("training: everything excluded", mlp, _prepare({"excluded_names": ["^0$"], "extra_excluded_names": ["2"]}), ValueError, ["excluded_names=['^0$']", "extra_excluded_names=['2']", "exclude all 2 layers", "['0', '2']"]),
+    ("training: second entry matches nothing", mlp, _prepare({"pruners": [{"names": ["^0$"]}, {"names": ["^3$"]}]}), ValueError, ["pruners[1]", "names=['^3$']", "['0', '2']"]),
+    ("training: Pruner on a model, nothing selected", mlp, _pruner({"names": ["nomatch"]}), ValueError, ["names=['nomatch']", "['0', '2']"]),
+    ("training: unreachable target after masking", pruned_mlp, _prepare({"target_sparsity": 0.99, "max_sparsity_ratio_per_layer": 0.5}), ValueError, ["target_sparsity=0.99", "max_sparsity_ratio_per_layer=0.5"]),
     ("global: NaN in one tensor", with_nan, lambda m, fw: prune.global_unstructured([(m, "bias"), (m, "weight")], prune.L1Unstructured, amount=0.5), ValueError, ["Linear", "weight", "NaN"]),
 ]
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from prunekit.training.patterns import from_2d, get_pattern, to_2d
+from prunekit.kernels.patterns import from_2d, get_pattern, to_2d
 
 
 def test_conv_layout_puts_input_channels_innermost():

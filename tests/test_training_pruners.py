@@ -24,7 +24,7 @@ from prunekit.training import (
     prepare_pruning,
     register_pruners,
 )
-from prunekit.training.patterns import get_pattern, to_2d
+from prunekit.kernels.patterns import get_pattern, to_2d
 from prunekit.training.registry import PRUNERS
 
 

@@ -18,7 +18,7 @@ Definitions (``W`` seen as ``(out, in, *kernel)``):
   channel at one kernel position) that are all zero. ``None`` when ``out``
   is not a multiple of 4.
 
-The layout is the one :mod:`prunekit.training.patterns` prunes with, so a
+The layout is the one :mod:`prunekit.kernels.patterns` prunes with, so a
 model pruned with pattern ``"2:4"`` reports ``fits_2_4 == 1.0`` and one
 pruned with ``"4x1"`` reports its block sparsity here.
 
@@ -155,7 +155,7 @@ def _fraction(part: int, whole: int) -> float:
 def _block_counts(nz: Tensor, pattern: Any) -> Optional[Tuple[int, int]]:
     """``(units, all-zero units)`` of the non-zero map ``nz`` cut into ``pattern``'s units.
 
-    ``pattern`` is a :class:`prunekit.training.patterns.Pattern`; ``None`` when
+    ``pattern`` is a :class:`prunekit.kernels.patterns.Pattern`; ``None`` when
     ``nz``'s shape does not fit it. The units are those pattern pruning
     removes, so a tensor pruned with a pattern reports its blocks exactly.
     """
@@ -168,11 +168,11 @@ def _block_counts(nz: Tensor, pattern: Any) -> Optional[Tuple[int, int]]:
 def _measure(name: str, t: Tensor, masked: bool) -> Tuple[LayerReport, int, int, int, int]:
     """The layer entry plus (2:4 groups, fitting groups, 4x1 blocks, zero blocks).
 
-    The groups and blocks are those :mod:`prunekit.training.patterns` prunes
+    The groups and blocks are those :mod:`prunekit.kernels.patterns` prunes
     with (its ``to_2d`` layout and ``"4x1"`` units), so the figures cannot
     drift from what pattern pruning produces.
     """
-    from .training.patterns import get_pattern, to_2d
+    from .kernels.patterns import get_pattern, to_2d
 
     t = _sharded.whole(t)  # a DTensor shard: measured whole (gathered, one tensor at a time)
     nz = t != 0

@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import re
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ._common import (
     CliError,
@@ -62,7 +62,9 @@ def add_parser(sub: Any) -> None:
     how.add_argument("--pattern", help="a prunekit.training pattern: 1x1, 4x1, 2:4, channelx1, 1xchannel, ...")
     how.add_argument("--config", metavar="FILE", help="a prunekit.training config file (YAML or JSON)")
     p.add_argument("--amount", type=amount_type, help="fraction of the selected weights to prune, in [0, 1]")
-    p.add_argument("--layers", metavar="REGEX", help="prune only modules whose name matches (re.search)")
+    p.add_argument("--layers", metavar="REGEX",
+                   help="prune only Linear/Conv modules whose name matches (re.search), with every option; "
+                        "matching none is an error")
     p.add_argument("--norm", default="2", help="norm for ln_structured: a number, inf, -inf, fro, nuc (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed for the random methods (default 0)")
     p.add_argument("--out", required=True, metavar="FILE", help="compressed checkpoint to write (.safetensors)")
@@ -71,18 +73,46 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+_LAYER_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d")
+
+
 def _targets(model: Any, layers: str) -> List[Tuple[str, Any]]:
+    """The Linear/Conv layers ``--layers`` selects (all of them without it), the same for every option.
+
+    Nothing selected is a one-line error (exit 2) that lists the layers the model has.
+    """
     from torch import nn
 
     try:
         rx = re.compile(layers) if layers else None
     except re.error as e:
         raise CliError(f"--layers {layers!r} is not a regular expression ({e})") from None
-    out = [(n, m) for n, m in model.named_modules()
-           if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)) and (rx is None or rx.search(n))]
+    candidates = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))]
+    out = [(n, m) for n, m in candidates if rx is None or rx.search(n)]
     if not out:
-        raise CliError("no Linear/Conv layer to prune" + (f" matches --layers {layers!r}" if layers else ""))
+        if not candidates:
+            raise CliError(f"the model ({type(model).__name__}) has no Linear/Conv layer to prune")
+        names = [n for n, _ in candidates]
+        shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
+        raise CliError(f"--layers {layers!r} matches no Linear/Conv layer; the model's layers are: {shown}")
     return out
+
+
+def _restrict(cfg: Any, model: Any, layers: str) -> Any:
+    """``cfg`` with every pruner limited to the layers ``--layers`` selects (exact names)."""
+    import dataclasses
+
+    from prunekit.training import PruningConfig, select_modules
+
+    allowed = {n for n, _ in _targets(model, layers)}
+    out = []
+    for i, pc in enumerate(cfg.pruners):
+        chosen = [n for n in select_modules(model, pc) if n in allowed]
+        if not chosen:
+            raise CliError(f"pruners[{i}] of the config selects none of the layers --layers {layers!r} matches "
+                           f"({', '.join(sorted(allowed))}); widen --layers or the entry's names")
+        out.append(dataclasses.replace(pc, names=["^" + re.escape(n) + "$" for n in chosen]))
+    return PruningConfig(out)
 
 
 def _norm(text: str) -> Any:
@@ -115,14 +145,17 @@ def _read_config(path: str) -> Any:
     return data if data is not None else {}
 
 
-def _one_shot_training(model: Any, config: Any, where: str) -> Dict[str, Any]:
-    """Run a prunekit.training config to its end without data (magnitude-scored pruners only)."""
+def _one_shot_training(model: Any, config: Any, where: str, layers: Optional[str] = None) -> Dict[str, Any]:
+    """Run a prunekit.training config to its end without data (magnitude-scored pruners only),
+    on the layers ``--layers`` selects."""
     from prunekit.training import load_config, prepare_pruning
 
     try:
         cfg = load_config(config)
     except (ValueError, TypeError) as e:
         raise CliError(f"{where}: {first_line(e)}") from None
+    if layers:
+        cfg = _restrict(cfg, model, layers)
     for i, pc in enumerate(cfg.pruners):
         if pc.prune_type in GRADIENT_PRUNERS:
             raise CliError(
@@ -149,18 +182,16 @@ def _prune(model: Any, args: argparse.Namespace) -> Dict[str, Any]:
     import prunekit
 
     if args.config:
-        return _one_shot_training(model, _read_config(args.config), f"config {args.config}")
+        return _one_shot_training(model, _read_config(args.config), f"config {args.config}", args.layers)
     if args.pattern:
         if args.amount is None and ":" not in args.pattern:
             raise CliError(f"--pattern {args.pattern} needs --amount (the target sparsity, e.g. 0.5); "
                            "only N:M patterns such as 2:4 set their own")
         cfg: Dict[str, Any] = {"prune_type": "magnitude", "pattern": args.pattern, "start_step": 0, "end_step": 0,
-                               "max_sparsity_ratio_per_layer": 1.0}
+                               "max_sparsity_ratio_per_layer": 1.0, "prune_layer_type": list(_LAYER_TYPES)}
         if args.amount is not None:
             cfg["target_sparsity"] = args.amount
-        if args.layers:
-            cfg["names"] = [args.layers]
-        return _one_shot_training(model, cfg, f"--pattern {args.pattern}")
+        return _one_shot_training(model, cfg, f"--pattern {args.pattern}", args.layers)
     if args.amount is None:
         raise CliError("give --amount (the fraction to prune, e.g. 0.5) with --method, or use --pattern/--config")
     method = args.method or "global_magnitude"

@@ -10,7 +10,7 @@ Quick start::
 
 from .config import ALIASES, PrunerConfig, PruningConfig, load_config
 from .criteria import CRITERIA, get_criterion
-from .patterns import ChannelPattern, NInMPattern, NxMPattern, Pattern, get_pattern
+from ..kernels.patterns import ChannelPattern, NInMPattern, NxMPattern, Pattern, get_pattern
 from .pruners import (
     GradientPruner,
     MagnitudePruner,

@@ -7,14 +7,15 @@ dict of the model always see the current masks.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, List, Optional
 
 from torch import Tensor, nn
 
 from .._backend import TORCH, backend_of, is_tensor
 from ..reparam import masked_product
 
-__all__ = ["is_reparametrized", "ensure_mask", "get_orig", "get_mask", "drop_masks", "effective_weight", "clear_optimizer_state"]
+__all__ = ["is_reparametrized", "ensure_mask", "get_orig", "get_mask", "raw_weight", "effective_weight",
+           "optimizer_state_tensors"]
 
 
 def _custom_from_mask():
@@ -57,44 +58,18 @@ def ensure_mask(module: nn.Module, name: str = "weight", init: Optional[Tensor] 
     return get_mask(module, name)
 
 
-def drop_masks(modules: Iterable[nn.Module], name: str = "weight") -> None:
-    """Undo :func:`ensure_mask` on ``modules`` that carry a mask: ``name`` becomes the plain
-    Parameter again, holding the values of ``name_orig`` (what it held before the mask)."""
-    from prunekit import remove
-
-    for m in modules:
-        if not is_reparametrized(m, name):
-            continue
-        b = backend_of(m) or TORCH
-        with b.no_grad():
-            orig = get_orig(m, name).detach().clone()
-        remove(m, name)
-        with b.no_grad():
-            getattr(m, name).copy_(orig)
-
-
 def effective_weight(module: nn.Module, name: str = "weight") -> Tensor:
     """``name_orig * name_mask`` detached (the weight the forward pass uses)."""
     return masked_product(get_orig(module, name).detach(), get_mask(module, name))
 
 
-def clear_optimizer_state(optimizers: Iterable[Any], param: Tensor, keep: Tensor) -> int:
-    """Zero every per-entry optimizer state tensor of ``param`` where ``keep`` is 0.
-
-    Momentum buffers, Adam's moments and any other state with the parameter's
-    shape are cleared at pruned entries; scalars (``step``) are left alone.
-    Works for ``torch.optim`` and ``tensorplay.optim`` optimizers alike (both
-    keep ``optimizer.state[param]`` as a dict of tensors).
-    Returns the number of state tensors touched.
-    """
-    b = backend_of(param) or TORCH
-    touched = 0
+def optimizer_state_tensors(optimizers: Iterable[Any], param: Tensor) -> List[Tensor]:
+    """Every per-entry optimizer state tensor of ``param`` (momentum, Adam's moments, ...):
+    the tensors in ``optimizer.state[param]`` with the parameter's shape (not ``step``)."""
+    out: List[Tensor] = []
     for opt in optimizers:
         state = opt.state.get(param)
         if not state:
             continue
-        for value in state.values():
-            if is_tensor(value) and tuple(value.shape) == tuple(param.shape):
-                b.mul_(value, keep.to(value.dtype))
-                touched += 1
-    return touched
+        out.extend(v for v in state.values() if is_tensor(v) and tuple(v.shape) == tuple(param.shape))
+    return out

@@ -60,7 +60,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
-from .patterns import get_pattern
+from ..kernels.patterns import get_pattern
 from .registry import PRUNERS, did_you_mean
 from .schedules import DECAY_TYPES
 

@@ -46,7 +46,7 @@ __all__ = [
 
 
 def momentum_update(previous: Optional[Tensor], new: Tensor, beta: float = 0.9, alpha: float = 1.0) -> Tensor:
-    """``beta * previous + alpha * new`` (``alpha * new`` when there is no previous score).
+    """``beta * previous + alpha * new`` (``alpha * new`` when there is no previous score), a new tensor.
 
     Example:
         >>> import torch
@@ -56,7 +56,8 @@ def momentum_update(previous: Optional[Tensor], new: Tensor, beta: float = 0.9, 
     """
     if previous is None:
         return alpha * new
-    return previous.mul_(beta).add_(new, alpha=alpha)
+    # a new tensor: the previous score is left as it was, so a failed step can keep it
+    return previous.mul(beta).add_(new, alpha=alpha)
 
 
 class Criterion:

@@ -34,18 +34,21 @@ from __future__ import annotations
 import logging
 import math
 import re
-from typing import Any, Dict, List, Mapping, Optional, Union
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 
 from torch import Tensor, nn
 
 from .. import _sharded
 from .._backend import TORCH, Backend, FrameworkMismatchError, backend_of, is_module, is_tensor
+from ..reparam import Snapshot
 from . import _masking as mk
+from ._undo import UndoLog, zero_where_
 from .allocation import check_feasible, global_counts, local_counts
 from .config import PrunerConfig
 from .criteria import Criterion, get_criterion
-from .patterns import Pattern, get_pattern, select_lowest
-from .registry import PRUNERS, get_pruner_class, register_pruners
+from ..kernels.patterns import Pattern, get_pattern, select_lowest
+from .registry import PRUNERS, did_you_mean, get_pruner_class, register_pruners
 from .schedules import Scheduler, get_scheduler
 
 __all__ = [
@@ -57,6 +60,8 @@ __all__ = [
     "PatternLockPruner",
     "get_pruner",
     "select_modules",
+    "require_modules",
+    "explain_empty_selection",
     "register_pruners",
     "PRUNERS",
 ]
@@ -109,6 +114,68 @@ def select_modules(model: nn.Module, config: Union[PrunerConfig, Mapping[str, An
     return out
 
 
+def _listing(names: List[str], limit: int = 12) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return f"[{shown}{', ...' if len(names) > limit else ''}]" + (f" ({len(names)} in all)" if len(names) > limit else "")
+
+
+def explain_empty_selection(model: nn.Module, config: Union[PrunerConfig, Mapping[str, Any]],
+                            name: str = "weight") -> str:
+    """Why ``config`` selects no module of ``model``, listing what the model offers.
+
+    The message says which key filtered everything out (``prune_layer_type``,
+    ``names`` or ``excluded_names``), the layers available at that point and
+    what to write instead.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> from prunekit.training.pruners import explain_empty_selection
+        >>> m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8, 2))
+        >>> print(explain_empty_selection(m, {"prune_type": "magnitude", "prune_layer_type": ["Linaer"]}))
+        pruner config: prune_layer_type=['Linaer'] matches no layer of Sequential; its layers with a 'weight' are of types ['Conv2d', 'Linear']. Did you mean 'Linear'?
+        >>> print(explain_empty_selection(m, {"prune_type": "magnitude", "names": ["fc"]}))
+        pruner config: names=['fc'] match none of the 2 layers of Sequential that prune_layer_type selects: ['0', '2']; names are regular expressions searched in these qualified names
+    """
+    cfg = _as_config(config)
+    model_label = type(model).__name__
+    weighted = [(q, m) for q, m in model.named_modules() if is_tensor(mk.raw_weight(m, name))]
+    if not weighted:
+        return f"{cfg.where}: {model_label} has no module with a tensor {name!r} to prune"
+    types = set(cfg.layer_type_names)
+    typed = [q for q, m in weighted if types.intersection(_class_names(m))]
+    if not typed:
+        present = sorted({type(m).__name__ for _, m in weighted})
+        hints = "".join(did_you_mean(t, present) for t in cfg.prune_layer_type)
+        return (f"{cfg.where}: prune_layer_type={cfg.prune_layer_type} matches no layer of {model_label}; "
+                f"its layers with a {name!r} are of types {present}.{hints}")
+    inc = [re.compile(p) for p in cfg.names]
+    named = [q for q in typed if not inc or any(p.search(q) for p in inc)]
+    if not named:
+        return (f"{cfg.where}: names={cfg.names} match none of the {len(typed)} layers of {model_label} that "
+                f"prune_layer_type selects: {_listing(typed)}; names are regular expressions searched in these "
+                "qualified names")
+    return (f"{cfg.where}: excluded_names={cfg.excluded_names} and extra_excluded_names={cfg.extra_excluded_names} "
+            f"exclude all {len(named)} layers of {model_label} that prune_layer_type and names select: "
+            f"{_listing(named)}; narrow the exclusions")
+
+
+def require_modules(model: nn.Module, config: Union[PrunerConfig, Mapping[str, Any]],
+                    name: str = "weight") -> Dict[str, nn.Module]:
+    """:func:`select_modules`, but a selection that matches nothing is a ``ValueError``
+    (from :func:`explain_empty_selection`) instead of an empty dict.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> from prunekit.training.pruners import require_modules
+        >>> list(require_modules(nn.Sequential(nn.Linear(4, 4)), {"prune_type": "magnitude"}))
+        ['0']
+    """
+    selected = select_modules(model, config, name)
+    if not selected:
+        raise ValueError(explain_empty_selection(model, config, name))
+    return selected
+
+
 class Pruner:
     """Base pruner: prunes ``modules`` (``{name: module}``) as ``config`` says.
 
@@ -145,7 +212,7 @@ class Pruner:
     def __init__(self, modules: Union[Mapping[str, nn.Module], nn.Module], config: Union[PrunerConfig, Mapping[str, Any]]) -> None:
         self.config: PrunerConfig = _as_config(config)
         if is_module(modules):
-            modules = select_modules(modules, self.config, self.weight_name)
+            modules = require_modules(modules, self.config, self.weight_name)
         if not isinstance(modules, Mapping):
             raise TypeError(f"modules={modules!r}: pass a dict {{name: module}} or a model (nn.Module)")
         self._b: Backend = _modules_backend(modules, type(self).__name__)
@@ -177,10 +244,12 @@ class Pruner:
         self.optimizers: List[Any] = []
         self.criterion: Criterion = self.make_criterion()
         self._scored_step = -1
+        self._undo: Optional[UndoLog] = None  # the open transaction (see _atomic)
+        self._undo_joined: Optional[UndoLog] = None
         # check that the target is reachable before touching any module
         initial = {n: self._initial_mask(n, m) for n, m in self.modules.items()}
         self._check_target(initial)
-        created = [m for m in self.modules.values() if not mk.is_reparametrized(m, self.weight_name)]
+        snapshots = [Snapshot(m) for m in self.modules.values()]
         try:
             self.masks: Dict[str, Tensor] = {
                 n: mk.ensure_mask(m, self.weight_name, initial[n]) for n, m in self.modules.items()
@@ -198,9 +267,47 @@ class Pruner:
                 self.start_step, self.end_step, self.target_sparsity_ratio, self.config.sparsity_decay_type,
                 self.update_frequency_on_step, initial_sparsity=min(self.initial_sparsity, self.target_sparsity_ratio),
             )
-        except Exception:
-            mk.drop_masks(created, self.weight_name)  # a failed set-up leaves the modules as they were
+        except BaseException:  # KeyboardInterrupt too: a failed set-up leaves the modules as they were
+            for snap in snapshots:
+                snap.restore()
             raise
+
+    # ------------------------------------------------------------------ transactions
+    _SCALARS = ("global_step", "local_step", "epoch", "current_sparsity_ratio", "initial_sparsity", "_scored_step")
+
+    @contextmanager
+    def _atomic(self) -> Iterator[UndoLog]:
+        """A transaction around a callback's changes: on any exception (``KeyboardInterrupt``
+        included) the masks, weights, gradients, optimizer state and this pruner's own
+        state are put back. Inside an outer transaction (several pruners driven by
+        :class:`~prunekit.training.PruningCallbacks`) the outer one rolls back."""
+        log = self._undo
+        own = log is None
+        if own:
+            log = self._undo = UndoLog()
+        try:
+            if self._undo_joined is not log:
+                self._undo_joined = log
+                saved = {k: getattr(self, k) for k in self._SCALARS}
+                scores = dict(self.criterion.scores)
+                sched_initial = self.scheduler.initial_sparsity
+
+                def restore() -> None:
+                    self.__dict__.update(saved)
+                    self.criterion.scores.clear()
+                    self.criterion.scores.update(scores)
+                    self.scheduler.initial_sparsity = sched_initial
+
+                log.add(restore)
+            yield log
+        except BaseException:
+            if own:
+                log.rollback()
+            raise
+        finally:
+            if own:
+                self._undo = None
+                self._undo_joined = None
 
     # ------------------------------------------------------------------ set-up helpers
     def make_criterion(self) -> Criterion:
@@ -291,7 +398,8 @@ class Pruner:
         """Gradients are ready (and zero at pruned entries: ``weight = weight_orig * weight_mask``
         gives ``weight_orig.grad = dL/dweight * mask``); score gradient criteria."""
         if self._needs_scores_now(self.global_step):
-            self.update_scores()
+            with self._atomic():
+                self.update_scores()
 
     def on_after_optimizer_step(self) -> None:
         """Weights moved. Nothing to do per step: pruned entries of ``weight_orig`` were set to
@@ -302,11 +410,15 @@ class Pruner:
         """Update the masks when this is an update step, then advance ``global_step``."""
         step = self.global_step
         if self.check_is_pruned_step(step):
-            if self.criterion.needs_grad and self._scored_step != step:
-                logger.debug("step %d: on_before_optimizer_step was not called; scoring from current gradients", step)
-                self.update_scores()
-            self.update_masks(step)
-        self.global_step = step + 1
+            with self._atomic():
+                if self.criterion.needs_grad and self._scored_step != step:
+                    logger.debug("step %d: on_before_optimizer_step was not called; scoring from current gradients",
+                                 step)
+                    self.update_scores()
+                self.update_masks(step)
+                self.global_step = step + 1
+        else:
+            self.global_step = step + 1
 
     def on_epoch_end(self) -> None:
         """End of an epoch (nothing to do by default)."""
@@ -334,13 +446,10 @@ class Pruner:
         return self.check_is_pruned_step(step)
 
     def mask_weights(self) -> None:
-        """Set ``weight_orig`` to zero wherever the mask is zero (in place, no grad)."""
-        b = self._b
-        with b.no_grad():
+        """Set ``weight_orig`` to zero wherever the mask is zero (in place, no grad; atomic)."""
+        with self._atomic() as undo:
             for n, m in self.modules.items():
-                orig = mk.get_orig(m, self.weight_name)
-                mask = self.masks[n]
-                b.mul_(orig, mask if mask.dtype == orig.dtype else mask.to(orig.dtype))
+                zero_where_(mk.get_orig(m, self.weight_name), self.masks[n], undo)
 
     def update_scores(self) -> None:
         """Feed the criterion this step's weights and gradients (gradient criteria).
@@ -351,11 +460,11 @@ class Pruner:
         layer and step (SNIP-momentum scores at every step)."""
         if not self.criterion.needs_grad:
             return
-        with self._b.no_grad():
+        with self._atomic(), self._b.no_grad():
             for n, m in self.modules.items():
                 orig = mk.get_orig(m, self.weight_name)
                 self.criterion.update(n, orig.detach(), orig.grad)
-        self._scored_step = self.global_step
+            self._scored_step = self.global_step
 
     def layer_scores(self, name: str, module: nn.Module) -> Tensor:
         """Importance of every weight of one layer (higher = keep)."""
@@ -368,11 +477,21 @@ class Pruner:
         return s
 
     def update_masks(self, step: int) -> None:
-        """Move every mask to the scheduled sparsity of ``step`` (masks only lose ones)."""
-        sharded = _sharded.handler_for(*self.masks.values())
-        if sharded is not None:  # DTensor shards: the same decision, made across ranks
-            sharded.update_pruner_masks(self, step)
-            return
+        """Move every mask to the scheduled sparsity of ``step`` (masks only lose ones).
+
+        Every layer's new mask is computed before any is written; the writes are
+        recorded, so a failure (``KeyboardInterrupt`` included) leaves the masks,
+        weights, gradients and optimizer state as they were. (Masks that are
+        ``DTensor`` shards are decided across ranks by :mod:`prunekit.distributed`
+        and are not rolled back: a rollback on one rank would leave the others apart.)"""
+        with self._atomic():
+            sharded = _sharded.handler_for(*self.masks.values())
+            if sharded is not None:  # DTensor shards: the same decision, made across ranks
+                sharded.update_pruner_masks(self, step)
+                return
+            self._update_masks(step)
+
+    def _update_masks(self, step: int) -> None:
         sparsity = self.scheduler.sparsity(step)
         names = list(self.modules)
         shapes, unit_scores, numel, un, lo, hi = [], [], [], [], [], []
@@ -399,8 +518,8 @@ class Pruner:
                 counts = global_counts(budget, unit_scores, un, lo, hi)
             else:
                 counts = local_counts(budget, [self.pattern.n_units(s) for s in shapes], un, lo, hi)
-            for n, shape, u, k in zip(names, shapes, unit_scores, counts):
-                keep = self.pattern.expand(~select_lowest(u, k), shape)
+            keeps = [self.pattern.expand(~select_lowest(u, k), shape) for shape, u, k in zip(shapes, unit_scores, counts)]
+            for n, keep in zip(names, keeps):
                 self._set_mask(n, keep)
         self.current_sparsity_ratio = sparsity
         if logger.isEnabledFor(logging.DEBUG):  # counting the zeros syncs with the device: only when logged
@@ -414,12 +533,23 @@ class Pruner:
         b = self._b
         if b.ns.equal(keep.to(b.bool), mask != 0):
             return
+        undo = self._undo
         keep_f = keep.to(orig.dtype)
-        mask.copy_(keep.to(mask.dtype))
-        b.mul_(orig, keep_f)
-        if orig.grad is not None:
-            b.mul_(orig.grad, keep_f.to(orig.grad.dtype))
-        mk.clear_optimizer_state(self.optimizers, orig, keep_f)
+        with b.no_grad():
+            if undo is not None:
+                old = mask.clone()
+
+                def restore() -> None:
+                    with b.no_grad():
+                        mask.copy_(old)
+
+                undo.add(restore)
+            mask.copy_(keep.to(mask.dtype))
+            zero_where_(orig, keep_f, undo)
+            if orig.grad is not None:
+                zero_where_(orig.grad, keep_f, undo)
+            for t in mk.optimizer_state_tensors(self.optimizers, orig):
+                zero_where_(t, keep_f, undo)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> Dict[str, Any]:
@@ -448,20 +578,27 @@ class Pruner:
             if tuple(m.shape) != tuple(self.masks[n].shape):
                 raise ValueError(f"{type(self).__name__}.load_state_dict: mask of {n!r} has shape {tuple(m.shape)}, "
                                  f"expected {tuple(self.masks[n].shape)}")
-        self.global_step = int(state["global_step"])
-        self.local_step = int(state.get("local_step", 0))
-        self.epoch = int(state.get("epoch", 0))
-        self.current_sparsity_ratio = float(state["current_sparsity_ratio"])
-        self.initial_sparsity = float(state.get("initial_sparsity", self.initial_sparsity))
-        self.scheduler.initial_sparsity = min(self.initial_sparsity, self.target_sparsity_ratio)
-        self._scored_step = int(state.get("scored_step", -1))
-        self.criterion.scores.clear()
-        for n, s in state.get("scores", {}).items():
-            self.criterion.scores[n] = s.detach().clone()
-        with self._b.no_grad():
-            for n, m in state["masks"].items():
-                self.masks[n].copy_(m.to(self.masks[n].dtype))
-        self.mask_weights()
+        global_step = int(state["global_step"])
+        current = float(state["current_sparsity_ratio"])
+        with self._atomic() as undo:
+            self.global_step = global_step
+            self.local_step = int(state.get("local_step", 0))
+            self.epoch = int(state.get("epoch", 0))
+            self.current_sparsity_ratio = current
+            self.initial_sparsity = float(state.get("initial_sparsity", self.initial_sparsity))
+            self.scheduler.initial_sparsity = min(self.initial_sparsity, self.target_sparsity_ratio)
+            self._scored_step = int(state.get("scored_step", -1))
+            self.criterion.scores.clear()
+            for n, s in state.get("scores", {}).items():
+                self.criterion.scores[n] = s.detach().clone()
+            b = self._b
+            with b.no_grad():
+                for n, m in state["masks"].items():
+                    target = self.masks[n]
+                    old = target.clone()
+                    undo.add(lambda target=target, old=old: _copy_no_grad(b, target, old))
+                    target.copy_(m.to(device=target.device, dtype=target.dtype))
+            self.mask_weights()
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(layers={len(self.modules)}, pattern={self.pattern.name!r}, "
@@ -517,6 +654,11 @@ class PatternLockPruner(Pruner):
     def _initial_mask(self, name: str, module: nn.Module) -> Optional[Tensor]:
         w = mk.raw_weight(module, self.weight_name)
         return (w != 0).to(w.dtype)
+
+
+def _copy_no_grad(b: Backend, target: Tensor, value: Tensor) -> None:
+    with b.no_grad():
+        target.copy_(value)
 
 
 def _modules_backend(modules: Mapping[str, Any], where: str) -> Backend:

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from ..state_dict import dense_state_dict
 from ..report import _block_counts, _count, _effective_tensors, _fraction, _totals
-from .patterns import get_pattern
+from ..kernels.patterns import get_pattern
 
 __all__ = ["LayerSparsity", "SparsityReport", "sparsity_report"]
 

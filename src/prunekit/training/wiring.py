@@ -25,26 +25,57 @@ Example (the whole change to a training loop)::
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Mapping, Optional
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 from torch import nn
 
 from .._backend import TORCH, FrameworkMismatchError, backend_of, is_module, optimizer_backend
-from . import _masking as mk
+from ..reparam import Snapshot
+from ._undo import UndoLog
 from .config import PruningConfig, load_config
-from .pruners import Pruner, get_pruner, select_modules
+from .pruners import Pruner, get_pruner, require_modules
+from .registry import did_you_mean
 from .report import SparsityReport, sparsity_report
 
-__all__ = ["PruningCallbacks", "prepare_pruning"]
+__all__ = ["EVENTS", "PruningCallbacks", "prepare_pruning"]
 
 logger = logging.getLogger(__name__)
 
 
+#: the events a :class:`PruningCallbacks` (and every :class:`Pruner`) answers, in the order of a run
+EVENTS = (
+    "on_train_begin",
+    "on_epoch_begin",
+    "on_step_begin",
+    "on_before_optimizer_step",
+    "on_after_optimizer_step",
+    "on_step_end",
+    "on_epoch_end",
+    "on_train_end",
+    "on_before_eval",
+    "on_after_eval",
+    "mask_weights",
+)
+
+
 class PruningCallbacks:
-    """Several pruners driven together; every callback is forwarded to each of them.
+    """Several pruners driven together: every event goes to each of them through :meth:`call_event`.
 
     Built by :func:`prepare_pruning`. ``pruners`` holds one :class:`Pruner`
-    per entry of the config.
+    per entry of the config. Each event is one transaction over all the
+    pruners: if any pruner fails (``KeyboardInterrupt`` included), every
+    pruner's masks, weights, gradients and optimizer state are put back.
+
+    Example:
+        >>> import torch, torch.nn as nn
+        >>> from prunekit.training import prepare_pruning
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+        >>> pruning = prepare_pruning(model, {"prune_type": "magnitude", "pattern": "1x1",
+        ...                                   "target_sparsity": 0.5, "end_step": 0})
+        >>> pruning.call_event("on_step_begin", 0); pruning.call_event("on_step_end")
+        >>> int((model[0].weight == 0).sum() + (model[1].weight == 0).sum())
+        48
     """
 
     def __init__(self, model: nn.Module, pruners: List[Pruner], config: PruningConfig) -> None:
@@ -55,67 +86,104 @@ class PruningCallbacks:
         self._local_step = 0
         self.optimizer: Optional[Any] = None
 
-    # ---------------------------------------------------------------- callbacks
-    def on_train_begin(self, dataloader: Any = None) -> None:
+    # ---------------------------------------------------------------- dispatch
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One undo log shared by every pruner; rolled back on any exception (nests)."""
+        if any(p._undo is not None for p in self.pruners):
+            yield  # an outer transaction is open
+            return
+        log = UndoLog()
         for p in self.pruners:
-            p.on_train_begin(dataloader)
+            p._undo = log
+        try:
+            yield
+        except BaseException:
+            log.rollback()
+            raise
+        finally:
+            for p in self.pruners:
+                p._undo = None
+                p._undo_joined = None
+
+    def call_event(self, event: str, *args: Any) -> None:
+        """Pass ``event`` (one of :data:`EVENTS`) with ``args`` to every pruner, as one transaction.
+
+        ``on_step_begin`` without an argument gets the step counted within the
+        epoch (reset by ``on_epoch_begin``, advanced by ``on_step_end``).
+        """
+        if event not in EVENTS:
+            raise ValueError(f"event={event!r} is not a pruning event; use one of {list(EVENTS)}."
+                             + did_you_mean(event, EVENTS))
+        if event == "on_step_begin" and not args:
+            args = (self._local_step,)
+        with self._transaction():
+            for p in self.pruners:
+                getattr(p, event)(*args)
+        if event == "on_epoch_begin":
+            self._local_step = 0
+        elif event == "on_step_end":
+            self._local_step += 1
+
+    # ---------------------------------------------------------------- callbacks (each one event)
+    def on_train_begin(self, dataloader: Any = None) -> None:
+        """Start of training: the pruners re-mask the weights."""
+        self.call_event("on_train_begin", dataloader)
 
     def on_epoch_begin(self, epoch: int) -> None:
-        self._local_step = 0
-        for p in self.pruners:
-            p.on_epoch_begin(epoch)
+        """Start of an epoch (the step counter within the epoch restarts at 0)."""
+        self.call_event("on_epoch_begin", epoch)
 
     def on_step_begin(self, local_step: Optional[int] = None) -> None:
-        if local_step is None:
-            local_step = self._local_step
-        for p in self.pruners:
-            p.on_step_begin(local_step)
+        """Start of a step (``local_step`` defaults to the step counted within the epoch)."""
+        self.call_event("on_step_begin", *(() if local_step is None else (local_step,)))
 
     def on_before_optimizer_step(self) -> None:
-        for p in self.pruners:
-            p.on_before_optimizer_step()
+        """Gradients are ready: gradient criteria score them."""
+        self.call_event("on_before_optimizer_step")
 
     def on_after_optimizer_step(self) -> None:
-        for p in self.pruners:
-            p.on_after_optimizer_step()
+        """The weights moved (nothing to do per step)."""
+        self.call_event("on_after_optimizer_step")
 
     def on_step_end(self) -> None:
-        for p in self.pruners:
-            p.on_step_end()
-        self._local_step += 1
+        """End of a step: masks move at update steps."""
+        self.call_event("on_step_end")
 
     def on_epoch_end(self) -> None:
-        for p in self.pruners:
-            p.on_epoch_end()
+        """End of an epoch."""
+        self.call_event("on_epoch_end")
 
     def on_train_end(self) -> None:
-        for p in self.pruners:
-            p.on_train_end()
+        """End of training: each pruner logs the sparsity it reached."""
+        self.call_event("on_train_end")
 
     def on_before_eval(self) -> None:
-        for p in self.pruners:
-            p.on_before_eval()
+        """Before evaluation: the weights are re-masked."""
+        self.call_event("on_before_eval")
 
     def on_after_eval(self) -> None:
-        for p in self.pruners:
-            p.on_after_eval()
+        """After evaluation."""
+        self.call_event("on_after_eval")
 
     def mask_weights(self) -> None:
-        for p in self.pruners:
-            p.mask_weights()
+        """Zero every pruned entry of the weights."""
+        self.call_event("mask_weights")
 
     def step(self) -> None:
         """The pruning part of one step, for a loop whose optimizer is not wired.
 
         Call it right after ``optimizer.step()``, while the gradients are still
         there: it runs ``on_before_optimizer_step``, ``on_after_optimizer_step``
-        and ``on_step_end``. (Gradient criteria then score the weights after the
-        update; call the callbacks around ``optimizer.step()`` yourself to score
-        them before.) A wired optimizer does all this by itself -- do not call it then.
+        and ``on_step_end`` (as one transaction). (Gradient criteria then score the
+        weights after the update; call the callbacks around ``optimizer.step()``
+        yourself to score them before.) A wired optimizer does all this by itself
+        -- do not call it then.
         """
-        self.on_before_optimizer_step()
-        self.on_after_optimizer_step()
-        self.on_step_end()
+        with self._transaction():
+            self.on_before_optimizer_step()
+            self.on_after_optimizer_step()
+            self.on_step_end()
 
     # ---------------------------------------------------------------- wiring
     @property
@@ -166,12 +234,15 @@ class PruningCallbacks:
         return {"pruners": [p.state_dict() for p in self.pruners], "local_step": self._local_step}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (all pruners or none: a failure changes nothing)."""
         saved = state.get("pruners", [])
         if len(saved) != len(self.pruners):
             raise ValueError(f"checkpoint holds {len(saved)} pruners, this config builds {len(self.pruners)}")
-        for p, s in zip(self.pruners, saved):
-            p.load_state_dict(s)
-        self._local_step = int(state.get("local_step", 0))
+        local_step = int(state.get("local_step", 0))
+        with self._transaction():
+            for p, s in zip(self.pruners, saved):
+                p.load_state_dict(s)
+        self._local_step = local_step
 
     def report(self) -> SparsityReport:
         """Sparsity per pruned layer (element- and block-wise under each pruner's pattern)."""
@@ -216,9 +287,10 @@ def prepare_pruning(model: nn.Module, config: Any = None,
     ``config`` is anything :func:`~prunekit.training.load_config` reads (a
     dict, a list of dicts, a YAML path, a config object). With ``optimizer``,
     the callbacks are wired to its step hooks, so an unchanged training loop
-    prunes on schedule; without it, call the callbacks yourself. On an error
-    (bad config, unreachable target, a layer selected twice) the model is left
-    as it was.
+    prunes on schedule; without it, call the callbacks yourself. A selection
+    that matches no layer is a ``ValueError`` listing the layers the model has.
+    On any error (bad config, unreachable target, a layer selected twice, an
+    interrupt) the model and the optimizer are left exactly as they were.
 
     Example:
         >>> import torch, torch.nn as nn
@@ -241,7 +313,7 @@ def prepare_pruning(model: nn.Module, config: Any = None,
     selections = []
     owner: Dict[str, int] = {}
     for i, pc in enumerate(cfg.pruners):
-        sel = select_modules(model, pc)
+        sel = require_modules(model, pc)
         for name in sel:
             if name in owner:
                 raise ValueError(
@@ -249,25 +321,20 @@ def prepare_pruning(model: nn.Module, config: Any = None,
                     "names/excluded_names disjoint"
                 )
             owner[name] = i
-        if not sel:
-            logger.warning("%s selects no module of the model", pc.where)
         selections.append(sel)
-    pruners: List[Pruner] = []
-    # on a failure, remove the masks of the pruners built so far: the model is left untouched
-    before = {n: mk.is_reparametrized(m) for n, m in model.named_modules()}
+    # on any failure (KeyboardInterrupt included) every touched module is put back as it was
+    snapshots = [Snapshot(m) for sel in selections for m in sel.values()]
+    callbacks: Optional[PruningCallbacks] = None
     try:
-        for sel, pc in zip(selections, cfg.pruners):
-            pruners.append(get_pruner(sel, pc))
-    except Exception:
-        _undo(model, before)
+        pruners: List[Pruner] = [get_pruner(sel, pc) for sel, pc in zip(selections, cfg.pruners)]
+        callbacks = PruningCallbacks(model, pruners, cfg)
+        if optimizer is not None:
+            callbacks.wire(optimizer)
+        callbacks.on_train_begin()
+    except BaseException:
+        if callbacks is not None:
+            callbacks.unwire()
+        for snap in reversed(snapshots):
+            snap.restore()
         raise
-    callbacks = PruningCallbacks(model, pruners, cfg)
-    if optimizer is not None:
-        callbacks.wire(optimizer)
-    callbacks.on_train_begin()
     return callbacks
-
-
-def _undo(model: nn.Module, before: Mapping[str, bool]) -> None:
-    """Remove the weight reparameterizations a failed ``prepare_pruning`` added."""
-    mk.drop_masks(m for n, m in model.named_modules() if not before.get(n, False))
