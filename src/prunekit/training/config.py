@@ -311,8 +311,12 @@ class PruningConfig:
         return {"pruners": [p.to_dict() for p in self.pruners]}
 
 
-def load_config(config: Any) -> PruningConfig:
+def load_config(config: Any, model: Any = None) -> PruningConfig:
     """A :class:`PruningConfig` from a config, a pruner config, a dict, a list of dicts or a YAML path.
+
+    Any other object with a ``to_pruning_config(model)`` method (such as
+    :class:`prunekit.compat.neural_compressor.WeightPruningConfig`) is asked for
+    its :class:`PruningConfig`; ``model`` is passed on (it may be ``None``).
 
     Example:
         >>> from prunekit.training import load_config
@@ -321,6 +325,13 @@ def load_config(config: Any) -> PruningConfig:
     """
     if isinstance(config, PruningConfig):
         return config
+    convert = getattr(config, "to_pruning_config", None)
+    if callable(convert) and not isinstance(config, type):
+        out = convert(model)
+        if not isinstance(out, PruningConfig):
+            raise TypeError(f"{type(config).__name__}.to_pruning_config() returned {type(out).__name__}, "
+                            "not a PruningConfig")
+        return out
     if isinstance(config, PrunerConfig):
         return PruningConfig([config])
     if config is None:
@@ -331,7 +342,8 @@ def load_config(config: Any) -> PruningConfig:
         return PruningConfig.from_dict(config)
     raise TypeError(
         f"config={config!r} ({type(config).__name__}): pass a dict, a list of dicts, a YAML path, "
-        "a PrunerConfig or a PruningConfig"
+        "a PrunerConfig, a PruningConfig or a Neural Compressor WeightPruningConfig "
+        "(prunekit.compat.neural_compressor)"
     )
 
 

@@ -285,7 +285,8 @@ def prepare_pruning(model: nn.Module, config: Any = None,
     """Attach masks to the layers ``config`` selects and return the callbacks.
 
     ``config`` is anything :func:`~prunekit.training.load_config` reads (a
-    dict, a list of dicts, a YAML path, a config object). With ``optimizer``,
+    dict, a list of dicts, a YAML path, a config object, Neural Compressor's
+    ``WeightPruningConfig`` from :mod:`prunekit.compat.neural_compressor`). With ``optimizer``,
     the callbacks are wired to its step hooks, so an unchanged training loop
     prunes on schedule; without it, call the callbacks yourself. A selection
     that matches no layer is a ``ValueError`` listing the layers the model has.
@@ -309,7 +310,7 @@ def prepare_pruning(model: nn.Module, config: Any = None,
         raise TypeError(f"model={model!r} is not an nn.Module (torch.nn or tensorplay.nn)")
     if optimizer is not None:
         _check_optimizer(model, optimizer)
-    cfg = load_config(config)
+    cfg = load_config(config, model)
     selections = []
     owner: Dict[str, int] = {}
     for i, pc in enumerate(cfg.pruners):
