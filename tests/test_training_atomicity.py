@@ -9,7 +9,7 @@ from torch import nn
 
 import prunekit as prune
 from prunekit.training import PruningCallbacks, prepare_pruning
-from prunekit.training import _undo, pruners as pruners_mod
+from prunekit.training import pruners as pruners_mod
 
 
 def bits(t):
