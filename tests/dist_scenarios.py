@@ -289,6 +289,16 @@ def fsdp_training(rank: int, world: int) -> None:
     for i in (0, 2, 5, 7):
         mask = twin[i]._buffers["weight_mask"]
         assert isinstance(mask, DTensor) and mask.to_local().shape == twin[i].weight_orig.to_local().shape
+    # a state dict with values at pruned entries loads, and the shards stay masked
+    sd = {k: (torch.ones_like(v) if k.endswith("weight_orig") else v) for k, v in twin.state_dict().items()}
+    twin.load_state_dict(sd)
+    for i in (0, 2, 5, 7):
+        local, mask = twin[i].weight_orig.to_local(), twin[i].weight_mask.to_local()
+        assert torch.all(local[mask == 0] == 0) and torch.all(local[mask != 0] == 1), i
+    with torch.no_grad():
+        twin[0].weight_orig.to_local().fill_(3.0)  # by hand: remask() puts the zeros back
+    assert prunekit.distributed.remask(twin) == 4
+    assert torch.all(twin[0].weight_orig.to_local()[twin[0].weight_mask.to_local() == 0] == 0)
 
 
 def prune_before_shard(rank: int, world: int) -> None:
@@ -571,3 +581,35 @@ def reports(rank: int, world: int) -> None:
     assert (a.nonzero_all, a.numel_all, [e.nonzero for e in a.layers]) == \
         (b.nonzero_all, b.numel_all, [e.nonzero for e in b.layers])
     assert [(e.zero_channels, e.fits_2_4) for e in a.layers] == [(e.zero_channels, e.fits_2_4) for e in b.layers]
+
+
+def prune_mid_training(rank: int, world: int) -> None:
+    """Pruned mid-training with the plain API: Adam's momentum at the newly pruned entries does not leak
+    into the FSDP2 forward (the shards are re-masked after every optimizer step); losses as one process."""
+    torch.manual_seed(0)
+    ref = _net()
+    twin = _shard_net(copy.deepcopy(ref))
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=0.05)
+    opt = torch.optim.Adam(twin.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(5)
+    for step in range(5):
+        if step == 2:
+            for m in (ref, twin):
+                prunekit.global_unstructured([(m[i], "weight") for i in (0, 2, 5, 7)], prunekit.L1Unstructured,
+                                             amount=0.5)
+        x = torch.randn(2 * world, 3, 8, 8, generator=g)
+        loss_ref = ref(x).square().mean()
+        loss = twin(x[2 * rank:2 * rank + 2]).square().mean()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        assert torch.allclose(total / world, loss_ref.detach(), rtol=1e-5, atol=1e-6), step
+        loss_ref.backward()
+        loss.backward()
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        if step >= 2:
+            for i in (0, 2, 5, 7):
+                local, mask = twin[i].weight_orig.to_local(), twin[i].weight_mask.to_local()
+                assert torch.all(local[mask == 0] == 0), (step, i)  # right after the step, not only at forward

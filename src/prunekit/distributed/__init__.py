@@ -12,7 +12,10 @@ gives the unsharded model in one process -- without gathering any weights:
 
 Masks live beside their shard: ``name_mask`` is a ``DTensor`` placed like the
 parameter, so a rank holds only its part. Under FSDP2 the forward pass,
-backward pass and optimizer steps work unchanged (:mod:`prunekit.distributed.fsdp`).
+backward pass and optimizer steps work unchanged (:mod:`prunekit.distributed.fsdp`);
+the shard's pruned entries of ``name_orig`` are kept at zero (so the weight
+FSDP2 gathers is already masked). After writing into pruned shards by hand,
+call :func:`remask`.
 
 Under DDP parameters are plain tensors, identical on every rank: every rank
 makes the same decision on its own, and nothing needs to be exchanged (seed
@@ -30,14 +33,18 @@ from .. import _sharded
 from .checkpoint import load, save
 from .layout import is_dtensor
 
-__all__ = ["GroupComm", "is_dtensor", "load", "save", "shard_masks"]
+__all__ = ["GroupComm", "is_dtensor", "load", "remask", "save", "shard_masks"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "GroupComm":  # imports torch.distributed only when asked for
+    if name == "GroupComm":
         from .comm import GroupComm
 
         return GroupComm
+    if name == "remask":
+        from .fsdp import remask
+
+        return remask
     raise AttributeError(f"module 'prunekit.distributed' has no attribute {name!r}")
 
 

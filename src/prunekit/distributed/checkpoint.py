@@ -118,5 +118,8 @@ def load(checkpoint_id: PathLike, model: nn.Module, pruning: Optional[Any] = Non
     if pruning is not None:
         _prepare_scores(pruning, state, meta)
     dcp.load(state, checkpoint_id=path)
+    from .fsdp import remask
+
+    remask(model)  # dcp.load wrote into the shards in place: keep pruned entries at zero
     if pruning is not None:
         pruning.load_state_dict(state["pruning"])

@@ -9,11 +9,16 @@ To make that work unchanged:
 
 * FSDP2 is told the parameter's new name (``name_orig``), so it all-gathers
   and sets the right attribute;
-* right before the module's forward (before FSDP2's all-gather), the shard's
-  pruned entries are set to zero if the shard or the mask changed since the
-  last time (an optimizer step, a load, a new mask). The all-gathered weight
-  therefore *is* ``orig * mask``, and the forward reads it as it is, with no
-  full-size mask and no extra all-gather;
+* the shard's pruned entries are kept at zero -- set so when the mask is
+  stored, again after every step of an optimizer that holds the parameter
+  (a global optimizer post-step hook: one multiply per pruned shard and step,
+  so stale momentum from before pruning never leaks) and after
+  ``load_state_dict``. The weight FSDP2 all-gathers therefore *is*
+  ``orig * mask``, and the forward reads it as it is: no full-size mask, no
+  extra all-gather, no work per forward. (``DTensor`` in-place ops do not bump
+  the local tensor's version counter, so changes cannot be detected lazily;
+  after writing into a pruned shard by hand call
+  :func:`prunekit.distributed.remask`);
 * after FSDP2 reduce-scatters a gradient, the shard's gradient is set to zero
   at pruned entries (a post-accumulate-grad hook), so optimizers see what they
   see in one process: no gradient, hence no update, at pruned entries.
@@ -34,14 +39,14 @@ from torch import nn
 
 from .layout import is_dtensor
 
-__all__ = ["find_fsdp_param", "wire", "unwire", "wired"]
+__all__ = ["find_fsdp_param", "mask_shard", "remask", "unwire", "wire", "wired"]
 
 logger = logging.getLogger(__name__)
 
 # module -> {tensor name: post-accumulate-grad hook handle}
 _GRAD_HOOKS: "weakref.WeakKeyDictionary[nn.Module, Dict[str, Any]]" = weakref.WeakKeyDictionary()
-# FSDP state -> its re-masking pre-forward hook
-_STATE_HOOKS: "weakref.WeakKeyDictionary[Any, _Remask]" = weakref.WeakKeyDictionary()
+# module -> its load_state_dict post-hook handle
+_LOAD_HOOKS: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
 
 
 def _states():
@@ -81,31 +86,53 @@ def is_unsharded_copy(t: Any) -> bool:
     return False
 
 
-class _Remask:
-    """Pre-forward hook of one FSDP module: zero the pruned entries of changed shards."""
+_Key = Tuple[int, str]
+# every wired (module, tensor name)
+_ENTRIES: Dict[_Key, Tuple["weakref.ref[nn.Module]", str]] = {}
+_STEP_HOOK: list = []
 
-    def __init__(self) -> None:
-        self.entries: Dict[Tuple[int, str], Tuple["weakref.ref[nn.Module]", str]] = {}
-        self.seen: Dict[Tuple[int, str], Tuple[int, int, int, int]] = {}
-        self.handles: list = []
 
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        for key, (mref, name) in list(self.entries.items()):
-            m = mref()
-            if m is None:
-                del self.entries[key]
-                continue
-            orig = m._parameters.get(name + "_orig")
-            mask = m._buffers.get(name + "_mask")
-            if orig is None or mask is None or not is_dtensor(orig) or not is_dtensor(mask):
-                continue
-            local, mlocal = orig._local_tensor, mask._local_tensor
-            stamp = (id(local), local._version, id(mlocal), mlocal._version)
-            if self.seen.get(key) == stamp:
-                continue
-            with torch.no_grad():
-                local.mul_(mlocal)
-            self.seen[key] = (id(local), local._version, id(mlocal), mlocal._version)
+def mask_shard(module: nn.Module, name: str) -> None:
+    """Set the pruned entries of this rank's shard of ``module.name_orig`` to zero."""
+    orig = module._parameters.get(name + "_orig")
+    mask = module._buffers.get(name + "_mask")
+    if orig is None or mask is None or not is_dtensor(orig) or not is_dtensor(mask):
+        return
+    with torch.no_grad():
+        orig._local_tensor.mul_(mask._local_tensor)
+
+
+def _mask_entries(keep: Any = None) -> None:
+    for key, (mref, name) in list(_ENTRIES.items()):
+        m = mref()
+        if m is None:
+            del _ENTRIES[key]
+            continue
+        if keep is None or id(m._parameters.get(name + "_orig")) in keep:
+            mask_shard(m, name)
+
+
+def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if _ENTRIES:
+        _mask_entries({id(p) for group in optimizer.param_groups for p in group["params"]})
+
+
+def _after_load(module: nn.Module, incompatible: Any) -> None:
+    for name in list(_GRAD_HOOKS.get(module, {})):
+        mask_shard(module, name)
+
+
+def remask(model: nn.Module) -> int:
+    """Zero the pruned entries of every wired shard in ``model`` (after writing into shards by hand).
+
+    Returns how many shards were masked.
+    """
+    count = 0
+    for module in model.modules():
+        for name in list(_GRAD_HOOKS.get(module, {})):
+            mask_shard(module, name)
+            count += 1
+    return count
 
 
 def _grad_hook(mref: "weakref.ref[nn.Module]", name: str):
@@ -138,7 +165,7 @@ def wire(module: nn.Module, name: str) -> None:
     found = find_fsdp_param(orig)
     if found is None:
         return
-    state, fp = found
+    _, fp = found
     info = fp._module_info
     if info.shared_modules:
         raise ValueError(
@@ -152,12 +179,14 @@ def wire(module: nn.Module, name: str) -> None:
     hooks = _GRAD_HOOKS.setdefault(module, {})
     if name not in hooks:
         hooks[name] = orig.register_post_accumulate_grad_hook(_grad_hook(weakref.ref(module), name))
-    remask = _STATE_HOOKS.get(state)
-    if remask is None:
-        remask = _STATE_HOOKS[state] = _Remask()
-        remask.handles = [m.register_forward_pre_hook(remask, prepend=True) for m in state._modules]
-    remask.entries[(id(module), name)] = (weakref.ref(module), name)
-    remask.seen.pop((id(module), name), None)
+    if module not in _LOAD_HOOKS:
+        _LOAD_HOOKS[module] = module.register_load_state_dict_post_hook(_after_load)
+    _ENTRIES[(id(module), name)] = (weakref.ref(module), name)
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_after_optimizer_step))
+    mask_shard(module, name)
 
 
 def unwire(module: nn.Module, name: str) -> None:
@@ -166,15 +195,13 @@ def unwire(module: nn.Module, name: str) -> None:
     handle = hooks.pop(name, None)
     if handle is not None:
         handle.remove()
+    if not hooks and module in _LOAD_HOOKS:
+        _LOAD_HOOKS.pop(module).remove()
     param = module._parameters.get(name)
     found = find_fsdp_param(param) if param is not None else None
     if found is not None:
-        state, fp = found
-        fp._module_info.param_name = name
-        remask = _STATE_HOOKS.get(state)
-        if remask is not None:
-            remask.entries.pop((id(module), name), None)
-            remask.seen.pop((id(module), name), None)
+        found[1]._module_info.param_name = name
+    _ENTRIES.pop((id(module), name), None)
 
 
 def resync(module: nn.Module) -> None:
