@@ -613,3 +613,19 @@ def prune_mid_training(rank: int, world: int) -> None:
             for i in (0, 2, 5, 7):
                 local, mask = twin[i].weight_orig.to_local(), twin[i].weight_mask.to_local()
                 assert torch.all(local[mask == 0] == 0), (step, i)  # right after the step, not only at forward
+
+
+def pattern_misaligned(rank: int, world: int) -> None:
+    """A block pattern whose blocks a shard boundary would cut is refused up front, saying why."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 8))
+    _shard_net(model)
+    rows = -(-12 // world)  # FSDP2's split of the first layer's 12 rows
+    try:
+        prunekit.prepare_pruning(model, _pruning_config("magnitude", "4x1", "global"))
+    except ValueError as e:
+        assert rows % 4, "12 rows split into multiples of 4: nothing to refuse"
+        assert "blocks of 4 output rows" in str(e) and "multiples of 4" in str(e), str(e)
+    else:
+        assert rows % 4 == 0, "a 4x1 pattern over shards that cut its blocks was accepted"
+    assert not prunekit.is_pruned(model)

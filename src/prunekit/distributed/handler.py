@@ -89,6 +89,11 @@ class ShardedHandler:
 
         update_masks(pruner, step)
 
+    def check_pattern(self, pattern: Any, name: str, module: nn.Module, weight: Tensor) -> None:
+        from .training import check_pattern
+
+        check_pattern(pattern, name, module, weight)
+
     def count_pruned_units(self, pruner: Any, name: str, module: nn.Module, mask: Tensor) -> int:
         from .training import count_pruned_units
 

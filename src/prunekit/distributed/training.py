@@ -34,7 +34,7 @@ from ..kernels.sharded import ShardSpec, gather_along
 from ..reparam import describe
 from .layout import Piece, is_dtensor, piece_of, to_local_like, wrap
 
-__all__ = ["count_pruned_units", "update_masks"]
+__all__ = ["check_pattern", "count_pruned_units", "update_masks"]
 
 
 class _Units:
@@ -100,6 +100,25 @@ class _Units:
     def full(self, values: Tensor) -> Tensor:
         """Every unit's value from this rank's (gathered; for channel patterns only)."""
         return values if self.spec.dim is None else gather_along(values, self.spec, self.piece.comm)
+
+
+def check_pattern(pattern: Any, name: str, module: Any, weight: Tensor) -> None:
+    """ValueError (on every rank) unless every rank's shard of ``weight`` holds whole units of ``pattern``."""
+    piece = piece_of(weight, describe(module, "weight") + f" (layer {name!r})")
+    problem = None
+    try:
+        _Units(pattern, piece, f"layer {name!r}")
+    except (ValueError, TypeError) as e:
+        problem = e
+    # decided together: a rank whose own shard fits still raises when another rank's does not
+    bad = int(piece.comm.all_reduce_sum(torch.tensor([0 if problem is None else 1], dtype=torch.int64)))
+    if problem is not None:
+        raise problem
+    if bad:
+        raise ValueError(
+            f"layer {name!r}: pattern {pattern.name!r} does not fit the shard of another rank (the error there "
+            "says why); shard boundaries must fall between the pattern's units"
+        )
 
 
 def _piece(pruner: Any, name: str, module: Any) -> Piece:

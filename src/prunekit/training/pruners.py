@@ -230,6 +230,9 @@ class Pruner:
                 self.skipped[name] = reason
                 logger.warning("skipping %r (weight %s): pattern %r does not fit: %s", name, tuple(w.shape), self.pattern.name, reason)
                 continue
+            sharded = _sharded.handler_for(w)
+            if sharded is not None:  # DTensor shards: their boundaries must fall between units
+                sharded.check_pattern(self.pattern, name, module, w)
             fitting[name] = module
         self.modules: Dict[str, nn.Module] = fitting
         self.start_step = self.config.start_step
