@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from prunekit.kernels import select_sharded
 from prunekit.kernels.norms import channel_norms
 from prunekit.kernels.norms_sharded import channel_norms_sharded
 from prunekit.kernels.select import NaNScoresError, keep_mask_smallest_multi
@@ -30,8 +31,11 @@ def _select(tensors, world, k, dims, eligible=None):
     return masks, [calls for _, calls in res]
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_selection_equals_single_process(seed):
+@pytest.mark.parametrize("chunk", [None, 5])
+@pytest.mark.parametrize("seed", range(4))
+def test_selection_equals_single_process(seed, chunk, monkeypatch):
+    if chunk is not None:  # bucket a few entries at a time: the chunked passes must not change a thing
+        monkeypatch.setattr(select_sharded, "CHUNK", chunk)
     rng = random.Random(seed)
     torch.manual_seed(seed)
     for _ in range(25):

@@ -43,10 +43,12 @@ from .._backend import TORCH, Backend, backend_of
 from .sharded import Communicator, ShardSpec
 from .select import _BUCKETS, NaNScoresError, _buckets, _common_dtype, _flat, _float_dtypes
 
-__all__ = ["keep_mask_smallest_sharded", "GATHER_LIMIT"]
+__all__ = ["keep_mask_smallest_sharded", "CHUNK", "GATHER_LIMIT"]
 
 #: candidates are gathered once at most this many are left across all ranks
 GATHER_LIMIT = 256
+#: entries bucketed at a time (the workspace: 2 bytes each, plus a boolean)
+CHUNK = 1 << 18
 _DIGIT_BITS = 8
 
 
@@ -124,26 +126,28 @@ def keep_mask_smallest_sharded(
     count_dtype = b.ns.int32 if total < 2**31 else b.int64
     device = scores[0].device
 
-    # Pass 1: local histograms, NaN and eligible counts; one all-reduce for all of them.
+    # Pass 1: local histograms, NaN and eligible counts; one all-reduce for all of them. Entries are
+    # bucketed CHUNK at a time, so the workspace is a few hundred KiB whatever the shard's size.
     hist = xp.zeros(_BUCKETS, dtype=b.int64, device=device)
     nan = xp.zeros(n, dtype=b.int64, device=device)
     n_eligible = xp.zeros(n, dtype=b.int64, device=device)
-    cached: Optional[List[Tensor]] = [] if n == 1 else None
     for i, (s, spec) in enumerate(zip(scores, specs)):
-        flat = _flat(s, dtype)
-        h = _buckets(flat, eligible[i], b)
-        if cached is not None:
-            cached.append(h)
-        if not spec.counted or flat.numel() == 0:
+        if not spec.counted or s.numel() == 0:
             continue
-        counts = xp.bincount(h, minlength=_BUCKETS)
-        inelig = 0 if eligible[i] is None else flat.numel() - int((eligible[i] != 0).sum())
-        n_nan = int(counts[inf_bucket + 1:].sum()) - inelig
-        if int(counts[inf_bucket]):
-            n_nan += int(xp.isnan(flat[h == inf_bucket]).sum())
+        flat = _flat(s, dtype)
+        elig = None if eligible[i] is None else eligible[i].reshape(-1)
+        inelig = 0 if elig is None else flat.numel() - int((elig != 0).sum())
+        n_nan = -inelig
+        for start in range(0, flat.numel(), CHUNK):
+            part = flat[start:start + CHUNK]
+            h = _buckets(part, None if elig is None else elig[start:start + CHUNK], b)
+            counts = xp.bincount(h, minlength=_BUCKETS)
+            n_nan += int(counts[inf_bucket + 1:].sum())
+            if int(counts[inf_bucket]):
+                n_nan += int(xp.isnan(part[h == inf_bucket]).sum())
+            hist += counts
         nan[i] = n_nan
         n_eligible[i] = flat.numel() - inelig
-        hist += counts
     summed = comm.all_reduce_sum(xp.cat([hist, nan, n_eligible]).to(count_dtype)).to(b.int64)
     hist, nan, n_eligible = summed[:_BUCKETS], summed[_BUCKETS:_BUCKETS + n], summed[_BUCKETS + n:]
     bad = nan.nonzero().reshape(-1)
@@ -172,11 +176,17 @@ def keep_mask_smallest_sharded(
     cands: List[_Candidates] = []
     for i, (s, spec) in enumerate(zip(scores, specs)):
         flat = _flat(s, dtype)
-        h = cached[i] if cached is not None else _buckets(flat, eligible[i], b)
-        keeps.append(h > bucket)
-        pos = (h == bucket).nonzero().reshape(-1)
+        elig = None if eligible[i] is None else eligible[i].reshape(-1)
+        keep = xp.empty(flat.numel(), dtype=b.bool, device=device)
+        found = []
+        for start in range(0, flat.numel(), CHUNK):
+            h = _buckets(flat[start:start + CHUNK], None if elig is None else elig[start:start + CHUNK], b)
+            xp.gt(h, bucket, out=keep[start:start + CHUNK])
+            found.append((h == bucket).nonzero().reshape(-1) + start)
+        pos = xp.cat(found) if found else xp.zeros(0, dtype=b.int64, device=device)
         low = _magnitude_bits(flat[pos], b).bitwise_and((1 << low_bits) - 1)
         key = spec.global_positions(pos) + (i << pos_bits)
+        keeps.append(keep)
         cands.append(_Candidates(pos, low, key, spec.counted))
 
     boundary = _boundary_key(cands, comm, rank=k - below, live_total=int(hist[bucket]),
