@@ -18,7 +18,9 @@ $(STAMP): pyproject.toml setup.py Makefile
 
 # Static checks (configured in pyproject.toml); `make test` runs them first, so CI does too.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples tools setup.py
+	$(VENV)/bin/lint-imports --no-cache
+	$(PY) tools/check_private_imports.py src/prunekit
 
 test: lint
 	$(PY) -m pytest tests

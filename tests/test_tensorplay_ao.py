@@ -99,7 +99,6 @@ def test_all_and_objects_are_prunekits_and_help_says_so():
     assert sorted(pruning.__all__) == DOCUMENTED
     for name in DOCUMENTED:
         assert getattr(pruning, name) is getattr(prunekit, name), name
-    assert pruning._compute_nparams_toprune is prunekit.compute_nparams_to_prune  # torch's private spelling
     assert pruning.provided_by == f"prunekit {prunekit.__version__}"
     text = pydoc.render_doc(pruning, renderer=pydoc.plaintext)
     assert "provided by prunekit -- not part of TensorPlay" in text

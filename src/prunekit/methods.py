@@ -53,7 +53,14 @@ def _with_keep(default_mask: Tensor, keep: Tensor) -> Tensor:
     return default_mask * keep
 
 
-def _validate_structured(t: Tensor, dim: int) -> int:
+def validate_structured(t: Tensor, dim: int) -> int:
+    """``dim`` as an index in ``[0, t.dim())``, after checking that ``t`` has channels along it.
+
+    Example:
+        >>> import torch
+        >>> validate_structured(torch.zeros(3, 4), -1)
+        1
+    """
     if t.dim() <= 1:
         raise ValueError(
             "Structured pruning can only be applied to multidimensional tensors. Found tensor of shape "
@@ -77,7 +84,7 @@ def _count(amount: Amount, units: int) -> int:
 
 def _channels_to_prune(t: Tensor, dim: int, amount: Amount) -> Tuple[int, int, int]:
     """``(dim, channels along it, channels to prune)`` for a structured method, all validated."""
-    dim = _validate_structured(t, dim)
+    dim = validate_structured(t, dim)
     return dim, t.shape[dim], _count(amount, t.shape[dim])
 
 

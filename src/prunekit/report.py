@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _sharded
+from .measure import block_counts, count, effective_tensors, fraction, totals
 
 __all__ = [
     "LayerReport",
@@ -140,31 +141,8 @@ class ModelReport:
 
 
 # ----------------------------------------------------------------------------- measuring
-# The measuring helpers below are shared with :func:`prunekit.training.sparsity_report`,
-# so the two reports cannot disagree on what a tensor holds or how it is counted.
-def _count(t: Tensor) -> Tuple[int, int]:
-    """``(elements, non-zero elements)`` of ``t`` (NaN counts as non-zero; DTensor shards: over all ranks)."""
-    return t.numel(), _sharded.count_nonzero(t)
-
-
-def _fraction(part: int, whole: int) -> float:
-    """``part / whole``, ``0.0`` for an empty whole (the one rounding both reports use)."""
-    return part / whole if whole else 0.0
-
-
-def _block_counts(nz: Tensor, pattern: Any) -> Optional[Tuple[int, int]]:
-    """``(units, all-zero units)`` of the non-zero map ``nz`` cut into ``pattern``'s units.
-
-    ``pattern`` is a :class:`prunekit.kernels.patterns.Pattern`; ``None`` when
-    ``nz``'s shape does not fit it. The units are those pattern pruning
-    removes, so a tensor pruned with a pattern reports its blocks exactly.
-    """
-    if pattern.check(tuple(nz.shape)) is not None:
-        return None
-    units = pattern.to_units(_sharded.whole(nz)).any(dim=1)
-    return units.numel(), int((~units).sum())
-
-
+# What a tensor holds and how it is counted: prunekit.measure, shared with
+# prunekit.training.sparsity_report, so the two reports cannot disagree.
 def _measure(name: str, t: Tensor, masked: bool) -> Tuple[LayerReport, int, int, int, int]:
     """The layer entry plus (2:4 groups, fitting groups, 4x1 blocks, zero blocks).
 
@@ -176,7 +154,7 @@ def _measure(name: str, t: Tensor, masked: bool) -> Tuple[LayerReport, int, int,
 
     t = _sharded.whole(t)  # a DTensor shard: measured whole (gathered, one tensor at a time)
     nz = t != 0
-    numel, nonzero = _count(t)
+    numel, nonzero = count(t)
     out_ch = int(t.shape[0])
     rows = nz.flatten(1).any(dim=1)  # flatten, not reshape(out, -1): a (0, n) weight has no rows to infer from
     zero_channels = int((~rows).sum())
@@ -187,7 +165,7 @@ def _measure(name: str, t: Tensor, masked: bool) -> Tuple[LayerReport, int, int,
         groups = per_group.numel()
         fit = int((per_group <= 2).sum())
         fits = fit / groups
-    counted = _block_counts(nz, get_pattern("4x1")) if numel else None
+    counted = block_counts(nz, get_pattern("4x1")) if numel else None
     if counted is not None:
         blocks, zero_blocks = counted
         block = zero_blocks / blocks
@@ -196,7 +174,7 @@ def _measure(name: str, t: Tensor, masked: bool) -> Tuple[LayerReport, int, int,
         shape=tuple(int(s) for s in t.shape),
         numel=numel,
         nonzero=nonzero,
-        sparsity=_fraction(numel - nonzero, numel),
+        sparsity=fraction(numel - nonzero, numel),
         channels=out_ch,
         zero_channels=zero_channels,
         channel_sparsity=zero_channels / out_ch if out_ch else 0.0,
@@ -205,59 +183,6 @@ def _measure(name: str, t: Tensor, masked: bool) -> Tuple[LayerReport, int, int,
         masked=masked,
     )
     return entry, groups, fit, blocks, zero_blocks
-
-
-def _masked_names(sd: Mapping[str, Any]) -> set:
-    """Names ``x`` whose ``x_orig`` and ``x_mask`` are both in the state dict ``sd``."""
-    return {k[: -len("_mask")] for k in sd if k.endswith("_mask") and k[: -len("_mask")] + "_orig" in sd}
-
-
-def _effective_tensors(source: Union[nn.Module, Mapping[str, Tensor]]) -> Tuple["OrderedDict[str, Tensor]", set, str]:
-    """(name -> effective tensor, names that carried a mask, kind of source).
-
-    For a model (PyTorch or TensorPlay): every parameter once (tied ones under
-    their first name), a pruned ``x_orig`` replaced by ``x = x_orig * x_mask``
-    with masked entries exactly zero, as :func:`prunekit.remove` bakes them.
-    For a state dict: every floating-point entry, ``x_orig``/``x_mask`` pairs baked.
-    """
-    from ._backend import is_module, is_tensor
-    from .state_dict import dense_state_dict
-
-    if is_module(source):
-        sd = source.state_dict()
-        masked = _masked_names(sd)
-        baked = dense_state_dict(sd)
-        wanted = []
-        for pname, _ in source.named_parameters():
-            base = pname[: -len("_orig")] if pname.endswith("_orig") else pname
-            wanted.append(base if base in masked else pname)
-        out = OrderedDict((k, baked[k].detach()) for k in wanted if k in baked)
-        return out, masked, "model"
-    if isinstance(source, Mapping):
-        for k, v in source.items():
-            if not isinstance(k, str) or not is_tensor(v):
-                raise TypeError(
-                    f"model_report: entry {k!r} of the state dict is a {type(v).__name__}, not a tensor; "
-                    "pass a model or a mapping of names to tensors"
-                )
-        masked = _masked_names(source)
-        baked = dense_state_dict(source)
-        out = OrderedDict((k, v.detach()) for k, v in baked.items() if v.is_floating_point() or v.is_complex())
-        return out, masked, "state_dict"
-    raise TypeError(
-        f"model_report: expected an nn.Module or a state dict (a mapping of names to tensors), got "
-        f"{type(source).__name__}; for a file use model_report(read_checkpoint(path)[0])"
-    )
-
-
-def _totals(tensors: Mapping[str, Tensor]) -> Tuple[int, int]:
-    """``(elements, non-zero elements)`` over every tensor of ``tensors``."""
-    numel = nonzero = 0
-    for t in tensors.values():
-        n, nz = _count(t)
-        numel += n
-        nonzero += nz
-    return numel, nonzero
 
 
 def model_report(source: Union[nn.Module, Mapping[str, Tensor]]) -> ModelReport:
@@ -282,9 +207,9 @@ def model_report(source: Union[nn.Module, Mapping[str, Tensor]]) -> ModelReport:
         >>> r.nonzero_layers, r.numel_all
         (48, 108)
     """
-    tensors, masked, kind = _effective_tensors(source)
+    tensors, masked, kind = effective_tensors(source)
     rep = ModelReport(source=kind)
-    rep.numel_all, rep.nonzero_all = _totals(tensors)
+    rep.numel_all, rep.nonzero_all = totals(tensors)
     groups = fit = blocks = zero_blocks = 0
     for name, t in tensors.items():
         if t.dim() < 2:
@@ -299,8 +224,8 @@ def model_report(source: Union[nn.Module, Mapping[str, Tensor]]) -> ModelReport:
         fit += f
         blocks += b
         zero_blocks += zb
-    rep.sparsity_layers = _fraction(rep.numel_layers - rep.nonzero_layers, rep.numel_layers)
-    rep.sparsity_all = _fraction(rep.numel_all - rep.nonzero_all, rep.numel_all)
+    rep.sparsity_layers = fraction(rep.numel_layers - rep.nonzero_layers, rep.numel_layers)
+    rep.sparsity_all = fraction(rep.numel_all - rep.nonzero_all, rep.numel_all)
     rep.channel_sparsity = rep.zero_channels / rep.channels if rep.channels else 0.0
     rep.fits_2_4 = fit / groups if groups else None  # None when no weight has the 2:4 layout
     rep.block_4x1_sparsity = zero_blocks / blocks if blocks else None

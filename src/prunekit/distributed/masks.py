@@ -151,7 +151,7 @@ def _channel_vector(values: Tensor, piece: Piece, dim: int, reduce_any: bool) ->
 
 
 def _validate_structured(shape: Sequence[int], dim: Any) -> int:
-    from ..methods import _validate_structured as validate
+    from ..methods import validate_structured as validate
 
     return validate(torch.empty(tuple(shape), device="meta"), dim)
 

@@ -1,7 +1,7 @@
 """Sparsity of a model as data: overall, per layer, element-wise and block-wise.
 
-The figures are measured with the machinery of :func:`prunekit.report.model_report`
-(the same effective tensors, the same counting), so the two reports agree on
+The figures are measured with :mod:`prunekit.measure`, the machinery of
+:func:`prunekit.model_report` (the same effective tensors, the same counting), so the two reports agree on
 every tensor they both cover; this one adds block-wise sparsity under any
 pruning pattern and selects layers by module name.
 """
@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Mapping, Optional
 from torch import Tensor, nn
 
 from ..state_dict import dense_state_dict
-from ..report import _block_counts, _count, _effective_tensors, _fraction, _totals
+from ..measure import block_counts, count, effective_tensors, fraction, totals
 from ..kernels.patterns import get_pattern
 
 __all__ = ["LayerSparsity", "SparsityReport", "sparsity_report"]
@@ -92,7 +92,7 @@ def sparsity_report(model: nn.Module, layers: Optional[Mapping[str, Optional[Any
         True
     """
     named = dict(model.named_modules())
-    tensors, masked, _ = _effective_tensors(model)
+    tensors, masked, _ = effective_tensors(model)
     if layers is None:
         layers = {n: None for n in named if (f"{n}.{weight_name}" if n else weight_name) in masked}
     rep = SparsityReport()
@@ -102,26 +102,26 @@ def sparsity_report(model: nn.Module, layers: Optional[Mapping[str, Optional[Any
         if name not in named:
             raise ValueError(f"sparsity_report: the model has no module named {name!r}")
         w = _layer_tensor(named[name], name, weight_name, tensors)
-        numel, nonzero = _count(w)
+        numel, nonzero = count(w)
         zeros = numel - nonzero
-        entry = LayerSparsity(name, tuple(w.shape), numel, zeros, _fraction(zeros, numel))
+        entry = LayerSparsity(name, tuple(w.shape), numel, zeros, fraction(zeros, numel))
         if pat is not None:
             p = get_pattern(pat)
-            counted = _block_counts(w != 0, p)
+            counted = block_counts(w != 0, p)
             if counted is not None:
                 entry.pattern = p.name
                 entry.blocks, entry.zero_blocks = counted
-                entry.block_sparsity = _fraction(entry.zero_blocks, entry.blocks)
+                entry.block_sparsity = fraction(entry.zero_blocks, entry.blocks)
                 block_total += entry.blocks
                 block_zero += entry.zero_blocks
                 any_blocks = True
         rep.layers.append(entry)
         rep.numel_layers += numel
         rep.zeros_layers += zeros
-    rep.numel_all, nonzero_all = _totals(tensors)
+    rep.numel_all, nonzero_all = totals(tensors)
     rep.zeros_all = rep.numel_all - nonzero_all
-    rep.elementwise_over_layers = _fraction(rep.zeros_layers, rep.numel_layers)
-    rep.elementwise_over_all = _fraction(rep.zeros_all, rep.numel_all)
+    rep.elementwise_over_layers = fraction(rep.zeros_layers, rep.numel_layers)
+    rep.elementwise_over_all = fraction(rep.zeros_all, rep.numel_all)
     if any_blocks:
-        rep.blockwise_over_layers = _fraction(block_zero, block_total)
+        rep.blockwise_over_layers = fraction(block_zero, block_total)
     return rep

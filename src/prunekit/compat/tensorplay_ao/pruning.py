@@ -48,7 +48,6 @@ from prunekit import (
     remove,
     validate_pruning_amount,
 )
-from prunekit import _compute_nparams_toprune, _validate_pruning_amount, _validate_pruning_amount_init  # noqa: F401
 
 #: the distribution that provides this module, and its version
 provided_by = f"prunekit {__version__}"
