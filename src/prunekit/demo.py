@@ -32,13 +32,14 @@ import json
 import logging
 import math
 import os
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+
+from .timing import interleaved_medians
 
 __all__ = ["DemoSettings", "make_model", "load_data", "run_demo"]
 
@@ -242,18 +243,11 @@ def _dense_size(model: nn.Module, path: str) -> int:
 
 @torch.no_grad()
 def _latencies(models: Dict[str, nn.Module], x: Tensor, repeats: int) -> Dict[str, float]:
-    """Median milliseconds per forward, all models timed in one interleaved loop."""
-    times: Dict[str, List[float]] = {k: [] for k in models}
+    """Median milliseconds per forward, all models timed in one interleaved loop (prunekit.timing)."""
     for m in models.values():
         m.eval()
-        for _ in range(3):
-            m(x)
-    for _ in range(repeats):
-        for k, m in models.items():
-            t0 = time.perf_counter()
-            m(x)
-            times[k].append((time.perf_counter() - t0) * 1e3)
-    return {k: statistics.median(ts) for k, ts in times.items()}
+    medians = interleaved_medians([lambda m=m: m(x) for m in models.values()], repeats)
+    return {k: s * 1e3 for k, s in zip(models, medians)}
 
 
 # ----------------------------------------------------------------------------- the demo

@@ -9,7 +9,26 @@ working.
 
 from __future__ import annotations
 
-__all__ = ["PruningError"]
+__all__ = ["PruningError", "first_line"]
+
+
+def first_line(e: BaseException, *, with_type: bool = False) -> str:
+    """The first line of an exception's message, for one-line error reports (its type name if empty).
+
+    ``with_type=True`` puts the type first: ``KeyError: 101`` says more than ``101``.
+
+    Example:
+        >>> first_line(ValueError("bad value\\nmore detail"))
+        'bad value'
+        >>> first_line(KeyError(101), with_type=True)
+        'KeyError: 101'
+        >>> first_line(RuntimeError())
+        'RuntimeError'
+    """
+    lines = str(e).strip().splitlines()
+    if not lines:
+        return type(e).__name__
+    return f"{type(e).__name__}: {lines[0]}" if with_type else lines[0]
 
 
 class PruningError(ValueError, AssertionError):

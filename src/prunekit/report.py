@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _sharded
+from .errors import first_line
 from .measure import block_counts, count, effective_tensors, fraction, totals
 
 __all__ = [
@@ -264,12 +265,6 @@ def _unwrap(obj: Any, path: str) -> "OrderedDict[str, Tensor]":
     )
 
 
-def _first_line(e: BaseException) -> str:
-    """``Type: first line of the message`` (a bare ``KeyError: 101`` says more than ``101``)."""
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-
-
 def _unreadable(path: str, detail: str = "") -> ValueError:
     """The error for a file that is neither a torch checkpoint nor safetensors, saying what to give instead."""
     return ValueError(
@@ -316,7 +311,7 @@ def read_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Tuple["Ord
         except Exception as e:  # safetensors raises its own error types
             if path.endswith(".safetensors"):
                 raise ValueError(
-                    f"{path}: not a readable safetensors file ({_first_line(e)}); give a file written by "
+                    f"{path}: not a readable safetensors file ({first_line(e, with_type=True)}); give a file written by "
                     "safetensors.torch.save_file or prunekit.sparse.save_compressed"
                 ) from e
         else:
@@ -337,9 +332,9 @@ def read_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Tuple["Ord
         try:
             obj = torch.load(path, map_location="cpu", weights_only=False)
         except (pickle.UnpicklingError, RuntimeError, EOFError) as e2:
-            raise _unreadable(path, _first_line(e2)) from e2
+            raise _unreadable(path, first_line(e2, with_type=True)) from e2
     except Exception as e:  # torch.load raises RuntimeError, EOFError, KeyError, ... on files it cannot read
-        raise _unreadable(path, _first_line(e)) from e
+        raise _unreadable(path, first_line(e, with_type=True)) from e
     return _unwrap(obj, path), "torch"
 
 

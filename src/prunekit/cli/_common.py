@@ -11,6 +11,8 @@ import os
 import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from ..errors import first_line as first_line  # the one helper; the cli modules import it from here
+
 USAGE_ERROR = 2
 FAILURE = 1
 
@@ -197,12 +199,6 @@ def example_input(shape: Sequence[int]) -> Any:
 
     g = torch.Generator().manual_seed(0)
     return torch.randn(*shape, generator=g)
-
-
-def first_line(e: BaseException) -> str:
-    """The first line of an exception's message (its type name when the message is empty)."""
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0]
 
 
 def _why(path: str, e: BaseException) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import time
 import copy
 from typing import Any, Dict, List
 
@@ -51,20 +50,13 @@ def add_parser(sub: Any) -> None:
 
 
 def _median_ms(models: List[Any], x: Any, repeats: int = 30) -> List[float]:
-    """Median milliseconds per forward of each model, timed in one interleaved loop."""
+    """Median milliseconds per forward of each model, timed in one interleaved loop (prunekit.timing)."""
     import torch
 
-    times: List[List[float]] = [[] for _ in models]
+    from prunekit.timing import interleaved_medians
+
     with torch.no_grad():
-        for m in models:
-            for _ in range(3):
-                m(x)
-        for _ in range(repeats):
-            for i, m in enumerate(models):
-                t0 = time.perf_counter()
-                m(x)
-                times[i].append((time.perf_counter() - t0) * 1e3)
-    return [sorted(ts)[len(ts) // 2] for ts in times]
+        return [s * 1e3 for s in interleaved_medians([lambda m=m: m(x) for m in models], repeats)]
 
 
 def run(args: argparse.Namespace) -> int:
