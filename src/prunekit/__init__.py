@@ -69,23 +69,25 @@ _LAZY = {
     "sparsity_report": ".training",
     # compaction (prunekit.compact)
     "prune_groups": ".compact",
-    # compressed checkpoints and sparse inference (prunekit.sparse)
-    "save_compressed": ".sparse",
-    "load_compressed": ".sparse",
+    # files: compressed checkpoints, every format prunekit reads and writes (prunekit.io)
+    "save_compressed": ".io",
+    "load_compressed": ".io",
+    "CorruptCheckpointError": ".io",
+    "CheckpointSignatureError": ".io",
+    # sparse inference (prunekit.sparse)
     "sparsify_for_inference": ".sparse",
     "restore_dense": ".sparse",
     "SparsifyReport": ".sparse",
-    "CorruptCheckpointError": ".sparse",
     # reports and plots (prunekit.report)
     "model_report": ".report",
     "ModelReport": ".report",
     "LayerReport": ".report",
-    "read_checkpoint": ".report",
-    "UnsafeCheckpointError": ".report",
+    "read_checkpoint": ".io",
+    "UnsafeCheckpointError": ".io",
     "plot_layer_sparsity": ".report",
     "plot_accuracy_vs_sparsity": ".report",
 }
-_SUBMODULES = {"compact", "training", "sparse", "kernels", "reparam", "report", "demo", "cli", "importance"}
+_SUBMODULES = {"compact", "training", "sparse", "kernels", "reparam", "report", "demo", "cli", "importance", "io"}
 
 
 def __getattr__(name: str) -> Any:

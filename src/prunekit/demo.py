@@ -28,7 +28,6 @@ Example (a tiny run; the real one is ``prunekit demo``)::
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
 import os
@@ -40,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from .timing import interleaved_medians
+from .io import write_json
 
 __all__ = ["DemoSettings", "make_model", "load_data", "run_demo"]
 
@@ -235,9 +235,9 @@ def _sizes(model: nn.Module, path: str) -> int:
 
 
 def _dense_size(model: nn.Module, path: str) -> int:
-    from safetensors.torch import save_file
+    from .io import save_compressed
 
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    save_compressed(model, path, format="safetensors")
     return os.path.getsize(path)
 
 
@@ -451,8 +451,7 @@ def run_demo(settings: Optional[DemoSettings] = None, out_dir: str = "demo-out",
             "threads": settings.threads,
             "elapsed_s": time.perf_counter() - started,
         }
-        with open(files["json"], "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+        write_json(files["json"], result)
         if progress:
             progress("done", stepper.total, stepper.total)
         return result

@@ -22,18 +22,16 @@ The layout is the one :mod:`prunekit.kernels.patterns` prunes with, so a
 model pruned with pattern ``"2:4"`` reports ``fits_2_4 == 1.0`` and one
 pruned with ``"4x1"`` reports its block sparsity here.
 
-:func:`read_checkpoint` reads what ``prunekit inspect`` accepts: a plain state
-dict, a ``torch.nn.utils.prune``-style state dict (``x_orig``/``x_mask``), a
-plain safetensors file or a prunekit compressed checkpoint -- never
-unpickling arbitrary objects unless asked to.
+:func:`read_checkpoint` (from :mod:`prunekit.io`, re-exported here) reads what
+``prunekit inspect`` accepts: a plain state dict, a ``torch.nn.utils.prune``-style
+state dict (``x_orig``/``x_mask``), a plain safetensors file or a prunekit
+compressed checkpoint -- never unpickling arbitrary objects unless asked to.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
-import zipfile
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -42,8 +40,9 @@ import torch
 from torch import Tensor, nn
 
 from . import _sharded
-from .errors import first_line
 from .measure import block_counts, count, effective_tensors, fraction, totals
+from .io import UnsafeCheckpointError, read_checkpoint
+from .io.writer import atomic_path
 
 __all__ = [
     "LayerReport",
@@ -60,8 +59,6 @@ logger = logging.getLogger(__name__)
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-class UnsafeCheckpointError(ValueError):
-    """The checkpoint needs full unpickling (arbitrary code) and the caller did not allow it."""
 
 
 @dataclass
@@ -234,110 +231,6 @@ def model_report(source: Union[nn.Module, Mapping[str, Tensor]]) -> ModelReport:
     return rep
 
 
-# ----------------------------------------------------------------------------- reading files
-def _looks_like_safetensors(path: str) -> bool:
-    if path.endswith(".safetensors"):
-        return True
-    try:
-        with open(path, "rb") as f:
-            head = f.read(9)
-    except OSError:
-        return False
-    # an 8-byte little-endian header length followed by the JSON header's "{"
-    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 100_000_000
-
-
-def _unwrap(obj: Any, path: str) -> "OrderedDict[str, Tensor]":
-    """A state dict out of what ``torch.load`` returned."""
-    if isinstance(obj, nn.Module):
-        return OrderedDict(obj.state_dict())
-    if isinstance(obj, Mapping):
-        for key in ("state_dict", "model_state_dict", "model"):
-            inner = obj.get(key)
-            if isinstance(inner, Mapping) and inner and all(isinstance(v, Tensor) for v in inner.values()):
-                return OrderedDict(inner)
-        tensors = OrderedDict((k, v) for k, v in obj.items() if isinstance(k, str) and isinstance(v, Tensor))
-        if tensors:
-            return tensors
-    raise ValueError(
-        f"{path}: holds a {type(obj).__name__} with no tensors; expected a state dict "
-        "(torch.save(model.state_dict(), path)) or a dict with a 'state_dict' entry"
-    )
-
-
-def _unreadable(path: str, detail: str = "") -> ValueError:
-    """The error for a file that is neither a torch checkpoint nor safetensors, saying what to give instead."""
-    return ValueError(
-        f"{path}: not a torch checkpoint or a safetensors file" + (f" ({detail})" if detail else "")
-        + "; give a file written by torch.save(model.state_dict(), path), safetensors.torch.save_file "
-        "or prunekit.sparse.save_compressed"
-    )
-
-
-def read_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Tuple["OrderedDict[str, Tensor]", str]:
-    """Read a checkpoint file as a state dict; returns ``(state_dict, kind)``.
-
-    ``kind`` is ``"prunekit-compressed"``, ``"safetensors"`` or ``"torch"``.
-    ``.pt``/``.pth`` files are read with ``torch.load(weights_only=True)``; a
-    file that needs full unpickling (a pickled module, custom classes) raises
-    :class:`UnsafeCheckpointError` unless ``trust_pickle=True``, because
-    unpickling runs whatever code the file names.
-
-    Example:
-        >>> import os, tempfile, torch
-        >>> from prunekit.report import read_checkpoint
-        >>> path = os.path.join(tempfile.mkdtemp(), "m.pt")
-        >>> torch.save(torch.nn.Linear(2, 2).state_dict(), path)
-        >>> sd, kind = read_checkpoint(path)
-        >>> list(sd), kind
-        (['weight', 'bias'], 'torch')
-    """
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint file not found: {path}; give the path of a .pt, .pth or .safetensors file")
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"{path} is a directory; give a checkpoint file")
-    if _looks_like_safetensors(path):
-        try:
-            from safetensors import safe_open
-        except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ImportError("reading .safetensors needs safetensors: pip install 'prunekit[io]'") from e
-        try:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                meta = f.metadata() or {}
-                keys = list(f.keys())
-                if "prunekit.format" not in meta:
-                    return OrderedDict((k, f.get_tensor(k)) for k in keys), "safetensors"
-        except Exception as e:  # safetensors raises its own error types
-            if path.endswith(".safetensors"):
-                raise ValueError(
-                    f"{path}: not a readable safetensors file ({first_line(e, with_type=True)}); give a file written by "
-                    "safetensors.torch.save_file or prunekit.sparse.save_compressed"
-                ) from e
-        else:
-            from .sparse import load_compressed
-
-            return load_compressed(path), "prunekit-compressed"
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if not trust_pickle:
-            if "Unsupported global" not in str(e) and not zipfile.is_zipfile(path):
-                detail = [ln.strip() for ln in str(e).splitlines() if ln.strip().startswith("Unsupported")]
-                raise _unreadable(path, " ".join(detail)) from e
-            raise UnsafeCheckpointError(
-                f"{path}: loading it needs full unpickling, which can run arbitrary code; "
-                "pass --trust-pickle (trust_pickle=True) only if you trust where the file comes from"
-            ) from e
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=False)
-        except (pickle.UnpicklingError, RuntimeError, EOFError) as e2:
-            raise _unreadable(path, first_line(e2, with_type=True)) from e2
-    except Exception as e:  # torch.load raises RuntimeError, EOFError, KeyError, ... on files it cannot read
-        raise _unreadable(path, first_line(e, with_type=True)) from e
-    return _unwrap(obj, path), "torch"
-
-
 # ----------------------------------------------------------------------------- plots
 def _pyplot() -> Any:
     try:
@@ -380,8 +273,11 @@ def plot_layer_sparsity(report: ModelReport, path: PathLike, *, title: Optional[
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     path = os.fspath(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=120, format=os.path.splitext(path)[1][1:] or "png")
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -444,6 +340,9 @@ def plot_accuracy_vs_sparsity(
             ax.set_title("zoom: within 4 points of dense")
     fig.tight_layout()
     path = os.fspath(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=120, format=os.path.splitext(path)[1][1:] or "png")
+    finally:
+        plt.close(fig)
     return path

@@ -263,8 +263,12 @@ def emit_json(data: Mapping[str, Any]) -> None:
 def write_report(path: Optional[str], data: Mapping[str, Any]) -> None:
     """Write ``data`` as the JSON report at ``path`` (nothing when ``path`` is None), as ``--json`` prints it."""
     if path:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, default=_json_default)
+        from prunekit.io import write_json
+
+        try:
+            write_json(path, data)
+        except OSError as e:
+            raise CliError(f"cannot write {path}: {first_line(e)}", 1) from None
 
 
 def _json_default(o: Any) -> Any:

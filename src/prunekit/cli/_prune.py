@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 from typing import Any, Dict, List, Optional, Tuple
@@ -126,23 +125,15 @@ def _norm(text: str) -> Any:
 
 
 def _read_config(path: str) -> Any:
+    from prunekit.io import UnreadableFileError, read_config
+
     existing_file(path, "config file")
-    if path.endswith(".json"):
-        try:
-            with open(path, "r", encoding="utf-8") as f:
-                return json.load(f)
-        except json.JSONDecodeError as e:
-            raise CliError(f"config {path} is not valid JSON ({e.msg}, line {e.lineno})") from None
     try:
-        import yaml
+        return read_config(path)
     except ImportError:
         raise CliError("reading a YAML config needs pyyaml: pip install 'prunekit[yaml]'", 1) from None
-    try:
-        with open(path, "r", encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        raise CliError(f"config {path} is not valid YAML ({first_line(e)})") from None
-    return data if data is not None else {}
+    except UnreadableFileError as e:
+        raise CliError(f"config {first_line(e)}") from None
 
 
 def _one_shot_training(model: Any, config: Any, where: str, layers: Optional[str] = None) -> Dict[str, Any]:

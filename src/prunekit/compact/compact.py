@@ -335,6 +335,8 @@ def load_compacted(model: nn.Module, state_dict: Dict[str, Tensor], description:
 def save_compacted(model: nn.Module, path: Any) -> None:
     """Save a plain state dict plus the description (loadable with ``torch.load(weights_only=True)``).
 
+    Written by prunekit's atomic writer: a failed save leaves ``path`` as it was.
+
     Example:
         >>> import io, torch
         >>> from torch import nn
@@ -346,4 +348,7 @@ def save_compacted(model: nn.Module, path: Any) -> None:
         >>> torch.equal(load_compacted(make(), saved["state_dict"], saved["description"])(x), small(x))
         True
     """
-    torch.save({"state_dict": model.state_dict(), "description": compaction_description(model)}, path)
+    from ..io import write_with
+
+    data = {"state_dict": model.state_dict(), "description": compaction_description(model)}
+    write_with(path, lambda f: torch.save(data, f))

@@ -2,7 +2,8 @@
 
 * :func:`save_compressed` / :func:`load_compressed` — safetensors files that
   store sparse tensors as a packed bitmask plus their non-zero values
-  (needs ``safetensors``: ``pip install prunekit[io]``).
+  (needs ``safetensors``: ``pip install prunekit[io]``); they live in
+  :mod:`prunekit.io` and are re-exported here.
 * :func:`sparsify_for_inference` / :func:`restore_dense` — swap pruned
   ``Linear``/``Conv2d`` layers for CSR (CPU) or 2:4 semi-structured (CUDA)
   modules where a short measurement says it is faster; the

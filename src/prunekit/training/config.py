@@ -296,16 +296,14 @@ class PruningConfig:
 
     @classmethod
     def from_yaml(cls, path: Union[str, "os.PathLike[str]"]) -> "PruningConfig":
-        """Read a YAML file (needs ``pyyaml``: ``pip install prunekit[yaml]``)."""
-        try:
-            import yaml
-        except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ImportError("reading a YAML config needs pyyaml: pip install 'prunekit[yaml]'") from e
-        with open(path, "r", encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-        if data is None:
-            data = {}
-        return cls.from_dict(data)
+        """Read a YAML file (needs ``pyyaml``: ``pip install prunekit[yaml]``).
+
+        The file goes through prunekit's hostile reader (:func:`prunekit.io.read_yaml`):
+        a regular file of bounded size, or a ``ValueError`` naming the path.
+        """
+        from ..io import read_yaml
+
+        return cls.from_dict(read_yaml(path, what="pruning config"))
 
     def to_dict(self) -> Dict[str, Any]:
         return {"pruners": [p.to_dict() for p in self.pruners]}
