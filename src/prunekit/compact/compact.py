@@ -311,7 +311,11 @@ def load_compacted(model: nn.Module, state_dict: Dict[str, Tensor], description:
     """Rebuild ``model`` (a fresh instance of the original class) and load a compacted state dict.
 
     Masks present in the state dict (``name_orig``/``name_mask``) are re-applied through the
-    pruning API.
+    pruning API. All or nothing: the work is done on a copy of ``model``, which replaces
+    ``model``'s contents only once everything has loaded, so on any failure (a description
+    that does not fit, a state dict that does not match, ``KeyboardInterrupt``) ``model`` is
+    exactly as it was. Read a file written by :func:`save_compacted` with
+    :func:`prunekit.io.compacted.read_compacted`.
 
     Example:
         >>> import torch
@@ -323,12 +327,23 @@ def load_compacted(model: nn.Module, state_dict: Dict[str, Tensor], description:
         >>> torch.equal(again(x), small(x))
         True
     """
-    rebuild_from_description(model, description)
+    from ..io.compacted import check_description
+
+    try:
+        check_description(description)
+    except ValueError as e:
+        raise ValueError(str(e)) from None
+    work = copy.deepcopy(model)
+    rebuild_from_description(work, description)
     for key in list(state_dict):
         if key.endswith("_mask") and key[: -len("_mask")] + "_orig" in state_dict:
-            owner, leaf = _masks.owner_of(model, key[: -len("_mask")])
+            owner, leaf = _masks.owner_of(work, key[: -len("_mask")])
             _masks.apply_mask(owner, leaf, state_dict[key])
-    model.load_state_dict(state_dict)
+    work.load_state_dict(state_dict)
+    # commit: one assignment each, so an interrupt leaves the old model or the new one
+    if type(model) is not type(work):  # pragma: no cover - the root module is never replaced
+        model.__class__ = type(work)
+    model.__dict__ = work.__dict__
     return model
 
 
@@ -348,7 +363,6 @@ def save_compacted(model: nn.Module, path: Any) -> None:
         >>> torch.equal(load_compacted(make(), saved["state_dict"], saved["description"])(x), small(x))
         True
     """
-    from ..io import write_with
+    from ..io.compacted import write_compacted
 
-    data = {"state_dict": model.state_dict(), "description": compaction_description(model)}
-    write_with(path, lambda f: torch.save(data, f))
+    write_compacted(model.state_dict(), compaction_description(model), path)

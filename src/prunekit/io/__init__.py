@@ -107,5 +107,8 @@ register_encoding(Encoding(
     claims=lambda p: p.kind == "file" and (p.safetensors is not None or p.path.endswith(".safetensors")),
     extra="io"))
 register_encoding(Encoding(
+    "prunekit-compacted", "a compacted model: torch.save of a plain state dict + the JSON description of its shapes",
+    writer=".compacted:_write_entry", reader=".compacted:_read_entry"))
+register_encoding(Encoding(
     "torch", "a torch.save file (read with weights_only=True unless trust_pickle)",
     writer=".checkpoint:write_torch", reader=".checkpoint:read_torch", claims=lambda p: p.kind == "file"))

@@ -482,7 +482,7 @@ def _stored_form(dtype: torch.dtype, storage: str, count: int, shape: List[int],
         return tag, shape
     if storage == "raw":
         return "U8", [count * torch.empty(0, dtype=dtype).element_size()]
-    raise _damaged(f"{where}: unknown storage kind {storage!r} in the index")
+    raise _damaged(f"{where}: unknown storage kind {storage!r} in the index")  # (a dict, a list, ...)
 
 
 def _plan_entry(entry: Any, path: str, position: int) -> _Plan:
@@ -495,7 +495,7 @@ def _plan_entry(entry: Any, path: str, position: int) -> _Plan:
     if name.endswith(_RESERVED):
         raise _damaged(f"{where}: the name ends with a suffix prunekit reserves")
     encoding = entry.get("encoding")
-    if encoding not in _ENTRY_KEYS:
+    if not isinstance(encoding, str) or encoding not in _ENTRY_KEYS:
         raise _damaged(f"{where}: unknown encoding {encoding!r} in the index")
     required, optional = _ENTRY_KEYS[encoding]
     keys = set(entry)

@@ -340,7 +340,7 @@ def read_safetensors_header(f: IO[bytes], path: str, *, error: Type[ValueError] 
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise error(f"{where}: header entry must hold exactly dtype, shape and data_offsets")
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if dtype not in SAFETENSORS_ITEMSIZE:
+        if not isinstance(dtype, str) or dtype not in SAFETENSORS_ITEMSIZE:
             raise error(f"{where}: unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(type(s) is int and 0 <= s for s in shape) or len(shape) > 64:
             raise error(f"{where}: bad shape {shape!r}")

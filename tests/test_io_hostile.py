@@ -1,0 +1,417 @@
+"""Compressed checkpoints are read as hostile input (issue 10 item 4).
+
+Every malformed file raises CorruptCheckpointError (a ValueError) naming the
+path and the reason; work is bounded; non-regular files are refused before
+reading; signed files are authenticated; `prunekit inspect` exits 2 with one
+line on every unreadable file. The fuzz test at the end uses a fixed seed.
+"""
+
+import hashlib
+import json
+import os
+import random
+import struct
+import threading
+import warnings
+
+import pytest
+import torch
+
+safetensors = pytest.importorskip("safetensors")
+import safetensors.torch  # noqa: E402
+
+from prunekit.cli import main  # noqa: E402
+from prunekit.io import (  # noqa: E402
+    CheckpointSignatureError,
+    CorruptCheckpointError,
+    UnverifiedSignatureWarning,
+    load_compressed,
+    read_checkpoint,
+    save_compressed,
+)
+from prunekit.io.reader import read_safetensors_header, open_regular  # noqa: E402
+
+
+def _state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(24, 16, generator=g)
+    w[torch.rand(24, 16, generator=g) < 0.9] = 0
+    w[0, :4] = -0.0  # a zero-sign record
+    return {
+        "layer.weight": w,  # sparse
+        "layer.weight_mask": (w != 0).float(),  # binary
+        "layer.bias": torch.randn(24, generator=g),  # dense
+        "cplx": torch.zeros(8, dtype=torch.complex128),  # raw storage
+    }
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = str(tmp_path / "ckpt.safetensors")
+    sd = _state()
+    save_compressed(sd, path)
+    with open(path, "rb") as f:
+        return path, sd, f.read()
+
+
+def _split(data):
+    n = struct.unpack("<Q", data[:8])[0]
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def _assemble(header, buffer):
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + buffer
+
+
+def _with_index(data, index, *, fix_sha=True, extra_meta=None):
+    """The file with its index replaced -- and its SHA-256 recomputed, as an attacker would."""
+    header, buffer = _split(data)
+    meta = header["__metadata__"]
+    text = index if isinstance(index, str) else json.dumps(index, separators=(",", ":"))
+    meta["prunekit.index"] = text
+    if fix_sha:
+        meta["prunekit.index_sha256"] = hashlib.sha256(text.encode()).hexdigest()
+    meta.update(extra_meta or {})
+    return _assemble(header, buffer)
+
+
+def _write(path, data):
+    if os.path.exists(path):
+        os.unlink(path)  # a new file: much cheaper than truncating the old one, on a busy disk
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _load_bytes(path, data, **kw):
+    _write(path, data)
+    return load_compressed(path, **kw)
+
+
+def _bit_equal(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+# ----------------------------------------------------------------------------- crafted indexes
+def _index(data):
+    return json.loads(_split(data)[0]["__metadata__"]["prunekit.index"])
+
+
+def _entry(index, name):
+    return next(e for e in index["tensors"] if e["name"] == name)
+
+
+def _crafted(data):
+    """(description, malformed file bytes) for every class of malformed file the issue names."""
+    base = _index(data)
+    cases = []
+
+    def mutate(desc, fn):
+        idx = json.loads(json.dumps(base))
+        fn(idx)
+        cases.append((desc, _with_index(data, idx)))
+
+    # the index itself of the wrong type or shape
+    for bad in ([], "x", 1, None, {"version": 1}, {"version": 1, "tensors": {}}, {"version": 2, "tensors": []},
+                {"version": True, "tensors": []}, {"version": 1, "tensors": [], "extra": 1}):
+        cases.append((f"index {bad!r}", _with_index(data, bad)))
+    cases.append(("index not JSON", _with_index(data, "{not json")))
+    cases.append(("index NaN", _with_index(data, '{"version": NaN, "tensors": []}')))
+    cases.append(("index nested 100k deep", _with_index(data, "[" * 100_000 + "]" * 100_000)))
+    cases.append(("index with duplicate keys", _with_index(data, '{"version": 1, "version": 1, "tensors": []}')))
+    # entries of the wrong type or shape
+    for field, values in {
+        "shape": [None, "16", [16.0, 24], [True, 16], [-1, 16], [[24], 16], [2 ** 70], [24] * 65, {"a": 1}, [24, 17]],
+        "dtype": ["float128", "qint8", "Tensor", "__class__", "float", 3, None, "torch.float32", "bits8"],
+        "nnz": [-1, 10 ** 9, True, 1.5, "3", None],
+        "encoding": ["zip", None, 1, "Dense"],
+        "sha256": ["0" * 63, "g" * 64, None, 5],
+        "name": [None, 1, ["layer.weight"], "layer.weight::bitmask"],
+        "storage": ["pickle", None, "raw"],
+    }.items():
+        for v in values:
+            mutate(f"weight {field}={v!r}", lambda idx, f=field, v=v: _entry(idx, "layer.weight").__setitem__(f, v))
+    mutate("dense storage raw for a native dtype", lambda idx: _entry(idx, "layer.bias").__setitem__("storage", "raw"))
+    mutate("entry is a list", lambda idx: idx["tensors"].__setitem__(0, ["layer.weight"]))
+    mutate("entry nested", lambda idx: idx["tensors"].__setitem__(0, {"name": {"name": {"name": "x"}}}))
+    mutate("extra key", lambda idx: _entry(idx, "layer.bias").__setitem__("pickle", "os.system"))
+    mutate("missing key", lambda idx: _entry(idx, "layer.bias").pop("sha256"))
+    mutate("neg_zeros on a dense entry", lambda idx: _entry(idx, "layer.bias").__setitem__("neg_zeros", 1))
+    mutate("neg_zeros count wrong", lambda idx: _entry(idx, "layer.weight").__setitem__("neg_zeros", 3))
+    mutate("neg_zeros dropped", lambda idx: _entry(idx, "layer.weight").pop("neg_zeros"))
+    mutate("duplicate entry", lambda idx: idx["tensors"].append(dict(_entry(idx, "layer.bias"))))
+    mutate("entry listed 200 times", lambda idx: idx["tensors"].extend([dict(_entry(idx, "layer.weight"))] * 200))
+    mutate("entry missing from the index", lambda idx: idx["tensors"].pop())
+    mutate("binary claimed for a sparse tensor",
+           lambda idx: (_entry(idx, "layer.weight").__setitem__("encoding", "binary"),
+                        _entry(idx, "layer.weight").pop("storage"), _entry(idx, "layer.weight").pop("neg_zeros")))
+    mutate("sizes do not add up (shape)", lambda idx: _entry(idx, "layer.bias").__setitem__("shape", [23]))
+    mutate("sizes do not add up (nnz)", lambda idx: _entry(idx, "layer.weight").__setitem__("nnz", 1))
+    mutate("dtype changed to a same-size one", lambda idx: _entry(idx, "layer.bias").__setitem__("dtype", "int32"))
+    mutate("two names swapped", lambda idx: (_entry(idx, "layer.bias").__setitem__("name", "tmp"),
+                                             _entry(idx, "cplx").__setitem__("name", "layer.bias"),
+                                             _entry(idx, "tmp").__setitem__("name", "cplx")))
+    # the container: overlapping entries, gaps, extra entries, a bad header
+    header, buffer = _split(data)
+    h = json.loads(json.dumps(header))
+    first, second = [k for k in h if k != "__metadata__"][:2]
+    h[second]["data_offsets"] = list(h[first]["data_offsets"])
+    cases.append(("overlapping byte ranges", _assemble(h, buffer)))
+    h = json.loads(json.dumps(header))
+    h["extra"] = {"dtype": "U8", "shape": [4], "data_offsets": [len(buffer), len(buffer) + 4]}
+    cases.append(("stored entry not in the index", _assemble(h, buffer + b"\0" * 4)))
+    h = json.loads(json.dumps(header))
+    h["__metadata__"]["prunekit.extra"] = "1"
+    cases.append(("unknown metadata key", _assemble(h, buffer)))
+    h = json.loads(json.dumps(header))
+    h["__metadata__"]["prunekit.format"] = "prunekit-compressed/2"
+    cases.append(("unknown format version", _assemble(h, buffer)))
+    h = json.loads(json.dumps(header))
+    del h["__metadata__"]["prunekit.format"]
+    cases.append(("format key missing", _assemble(h, buffer)))
+    h = json.loads(json.dumps(header))
+    h["__metadata__"]["prunekit.index_sha256"] = "0" * 64
+    cases.append(("index checksum wrong", _assemble(h, buffer)))
+    cases.append(("header length past the end", struct.pack("<Q", 10 ** 12) + data[8:]))
+    cases.append(("header of 4 GiB claimed in a small file", struct.pack("<Q", 2 ** 32) + b"{" + b" " * 100))
+    cases.append(("empty file", b""))
+    cases.append(("padding", data + b"\0" * 8))
+    return cases
+
+
+def test_every_crafted_file_is_a_corrupt_checkpoint_error_naming_path_and_reason(saved):
+    path, _, data = saved
+    cases = _crafted(data)
+    assert len(cases) == 79
+    for desc, bad in cases:
+        with pytest.raises(CorruptCheckpointError) as info:
+            _load_bytes(path, bad)
+        msg = str(info.value)
+        assert msg.startswith(path + ": "), (desc, msg)
+        assert len(msg) > len(path) + 10, (desc, msg)
+        # read_checkpoint (what `prunekit inspect` uses) refuses it too: never a plain safetensors file
+        with pytest.raises(ValueError):
+            read_checkpoint(path)
+
+
+def test_crafted_reasons_are_specific(saved):
+    path, _, data = saved
+    idx = _index(data)
+    idx["tensors"].append(dict(_entry(idx, "layer.bias")))
+    with pytest.raises(CorruptCheckpointError, match="'layer.bias' is listed more than once"):
+        _load_bytes(path, _with_index(data, idx))
+    idx = _index(data)
+    _entry(idx, "layer.weight")["dtype"] = "float128"
+    with pytest.raises(CorruptCheckpointError, match="unknown dtype 'float128'"):
+        _load_bytes(path, _with_index(data, idx))
+    idx = _index(data)
+    _entry(idx, "layer.bias")["shape"] = [23]
+    with pytest.raises(CorruptCheckpointError, match=r"'layer.bias' is F32\[24\], the index needs F32\[23\]"):
+        _load_bytes(path, _with_index(data, idx))
+    with pytest.raises(CorruptCheckpointError, match="nested too deeply"):
+        _load_bytes(path, _with_index(data, "[" * 100_000 + "]" * 100_000))
+
+
+def test_duplicates_are_refused_before_any_tensor_is_read(saved, monkeypatch):
+    """An index listing one entry N times costs no tensor read at all (it used to cost N decodes)."""
+    from prunekit.io import compressed
+
+    path, _, data = saved
+    idx = _index(data)
+    idx["tensors"].extend([dict(_entry(idx, "layer.weight"))] * 5000)
+    reads = []
+    real = compressed._read_stored
+    monkeypatch.setattr(compressed, "_read_stored", lambda *a: reads.append(a[-1]) or real(*a))
+    with pytest.raises(CorruptCheckpointError, match="listed more than once"):
+        _load_bytes(path, _with_index(data, idx))
+    assert reads == []
+    # and a valid file reads each stored tensor exactly once
+    _load_bytes(path, data)
+    assert sorted(reads) == sorted(k for k in _split(data)[0] if k != "__metadata__")
+
+
+def test_a_flipped_bit_in_a_metadata_key_is_not_a_plain_safetensors_file(tmp_path, capsys):
+    """The issue's example: a 90%-sparse file whose format key lost one bit was shown as 0% sparse, exit 0."""
+    path = str(tmp_path / "m.safetensors")
+    w = torch.randn(64, 64)
+    w[torch.rand(64, 64) < 0.9] = 0
+    save_compressed({"w": w}, path)
+    data = open(path, "rb").read()
+    for key in (b"prunekit.format", b"prunekit.index_sha256", b"prunekit.index\""):
+        for bit in range(8 * (len(key) - 1)):
+            pos = data.index(key) + bit // 8
+            bad = bytearray(data)
+            bad[pos] ^= 1 << (bit % 8)
+            _write(path, bad)
+            with pytest.raises(CorruptCheckpointError):
+                load_compressed(path)
+            with pytest.raises(ValueError):
+                read_checkpoint(path)
+    assert main(["inspect", path]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and path in err
+
+
+# ----------------------------------------------------------------------------- non-regular files
+def _nonregular(tmp_path):
+    fifo = str(tmp_path / "pipe.safetensors")
+    os.mkfifo(fifo)
+    return {"FIFO": fifo, "/dev/zero": "/dev/zero", "directory": str(tmp_path)}
+
+
+def _no_hang(fn, *args):
+    """Run fn in a thread; fail (instead of hanging the suite) if it blocks."""
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), f"{fn.__name__}{args} blocked on a non-regular file"
+    return box
+
+
+def test_non_regular_files_are_refused_before_reading(tmp_path):
+    for kind, path in _nonregular(tmp_path).items():
+        box = _no_hang(load_compressed, path)
+        assert isinstance(box.get("error"), CorruptCheckpointError), (kind, box)
+        assert "not a regular file" in str(box["error"]) and str(box["error"]).startswith(path)
+        if kind != "directory":
+            box = _no_hang(read_checkpoint, path)
+            assert isinstance(box.get("error"), ValueError) and "not a regular file" in str(box["error"]), kind
+
+
+def test_inspect_exits_2_with_one_line_on_every_unreadable_file(saved, tmp_path, capsys):
+    path, _, data = saved
+    bad_files = []
+    for i, (desc, bad) in enumerate(_crafted(data)[::4]):
+        p = str(tmp_path / f"bad{i}.safetensors")
+        with open(p, "wb") as f:
+            f.write(bad)
+        bad_files.append((desc, p))
+    bad_files += [(k, p) for k, p in _nonregular(tmp_path).items()]
+    for desc, p in bad_files:
+        code = _no_hang(main, ["inspect", p]).get("value")
+        out, err = capsys.readouterr()
+        assert code == 2, (desc, code, err)
+        assert out == "" and len(err.strip().splitlines()) == 1, (desc, err)
+
+
+# ----------------------------------------------------------------------------- authentication
+def test_signed_checkpoints(tmp_path):
+    path = str(tmp_path / "s.safetensors")
+    sd = _state()
+    save_compressed(sd, path, key=b"k" * 32)
+    out = load_compressed(path, key=b"k" * 32)
+    assert all(_bit_equal(out[k], sd[k]) for k in sd)
+    assert list(load_compressed(path, key="k" * 32)) == list(sd)  # a str key is its UTF-8 bytes
+    with pytest.raises(CheckpointSignatureError, match="signature does not verify"):
+        load_compressed(path, key=b"wrong")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = load_compressed(path)
+    assert [w.category for w in caught] == [UnverifiedSignatureWarning]
+    assert "signed but no key was given" in str(caught[0].message)
+    # an unsigned file, when a key is expected
+    plain = str(tmp_path / "p.safetensors")
+    save_compressed(sd, plain)
+    with pytest.raises(CheckpointSignatureError, match="not signed"):
+        load_compressed(plain, key=b"k" * 32)
+    # bad keys are user errors
+    with pytest.raises(ValueError, match="empty key"):
+        save_compressed(sd, plain, key=b"")
+    with pytest.raises(TypeError, match="bytes or str"):
+        save_compressed(sd, plain, key=123)
+
+
+def test_an_attacker_who_rewrites_the_index_and_its_checksum_fails_the_signature(tmp_path):
+    path = str(tmp_path / "s.safetensors")
+    save_compressed(_state(), path, key=b"secret")
+    data = open(path, "rb").read()
+    idx = _index(data)
+    _entry(idx, "layer.bias")["sha256"] = "0" * 64
+    with pytest.raises(CheckpointSignatureError):
+        _load_bytes(path, _with_index(data, idx), key=b"secret")
+    # ... or strips the signature
+    header, buffer = _split(data)
+    del header["__metadata__"]["prunekit.index_hmac"]
+    with pytest.raises(CheckpointSignatureError, match="not signed"):
+        _load_bytes(path, _assemble(header, buffer), key=b"secret")
+    # ... or re-signs with a key of their own
+    save_compressed(_state(1), path, key=b"attacker")
+    with pytest.raises(CheckpointSignatureError):
+        load_compressed(path, key=b"secret")
+
+
+# ----------------------------------------------------------------------------- the fuzz test
+FUZZ_SEED = 20240610
+
+
+def test_fuzz_flips_truncations_and_crafted_indexes(saved, tmp_path):
+    """Fixed seed: single-bit flips (every bit of the length field and of the metadata keys, 1,500 random bits
+    of the header, 120 of the data), truncations at every 13th length, and 200 indexes with random hostile
+    values at random places (their checksum recomputed, as an attacker would). Every one is refused with
+    CorruptCheckpointError; a flip that loaded would have to give bit-identical tensors (none does)."""
+    path, sd, data = saved
+    rng = random.Random(FUZZ_SEED)
+    header_end = 8 + struct.unpack("<Q", data[:8])[0]
+    flips = [(pos, bit) for pos in range(8) for bit in range(8)]
+    for key in (b"__metadata__", b"prunekit.format", b"prunekit.index_sha256", b"prunekit.index\""):
+        start = data.index(key)
+        flips += [(pos, bit) for pos in range(start, start + len(key)) for bit in range(8)]
+    flips += [(rng.randrange(8, header_end), rng.randrange(8)) for _ in range(1500)]
+    flips += [(rng.randrange(header_end, len(data)), rng.randrange(8)) for _ in range(120)]
+    harmless = 0
+    for pos, bit in flips:
+        bad = bytearray(data)
+        bad[pos] ^= 1 << bit
+        try:
+            out = _load_bytes(path, bytes(bad))
+        except CorruptCheckpointError:
+            continue
+        harmless += 1
+        assert list(out) == list(sd) and all(_bit_equal(out[k], sd[k]) for k in sd), (pos, bit)
+    assert harmless == 0
+    for length in range(0, len(data), 13):
+        with pytest.raises(CorruptCheckpointError):
+            _load_bytes(path, data[:length])
+    hostile = [None, True, -1, 0, 2 ** 64, 1.5, "", "x" * 100, "float64", "raw", "native", "binary", "sparse",
+               [], [0], [-1], [2 ** 40, 2 ** 40], {}, {"a": 1}, [[[]]], "layer.bias", "cplx"]
+    base = _index(data)
+    crafted = 0
+    for _ in range(200):
+        idx = json.loads(json.dumps(base))
+        for _ in range(rng.randint(1, 3)):
+            entries = [e for e in idx["tensors"] if isinstance(e, dict)]
+            e = rng.choice(entries) if entries else None
+            op = rng.random()
+            if e is None or op < 0.1:
+                idx["tensors"].append(rng.choice(hostile))
+            elif op < 0.2:
+                idx["tensors"].append(dict(e))
+            elif op < 0.3:
+                e.pop(rng.choice(sorted(e)))
+            else:
+                e[rng.choice(sorted(e) + ["neg_zeros", "extra"])] = rng.choice(hostile)
+        if idx == base:
+            continue
+        crafted += 1
+        with pytest.raises(CorruptCheckpointError):
+            _load_bytes(path, _with_index(data, idx))
+    assert crafted >= 190
+
+
+def test_a_valid_file_round_trips_through_the_hostile_reader(saved):
+    path, sd, data = saved
+    out = _load_bytes(path, data)
+    assert list(out) == list(sd) and all(_bit_equal(out[k], sd[k]) for k in sd)
+    with open_regular(path) as f:
+        header = read_safetensors_header(f, path)
+    assert header.metadata["prunekit.format"] == "prunekit-compressed/1"
