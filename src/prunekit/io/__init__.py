@@ -102,6 +102,10 @@ register_encoding(Encoding(
     writer=".compressed:write_compressed", reader=".checkpoint:read_prunekit", claims=_is_prunekit,
     extra="io", aliases=("prunekit",)))
 register_encoding(Encoding(
+    "compressed-tensors", "a Hugging Face model folder in the compressed-tensors sparse layout (what vLLM serves)",
+    writer=".compressed_tensors:write_compressed_tensors", reader=".compressed_tensors:read_compressed_tensors",
+    claims=lambda p: p.kind == "directory" and "config.json" in p.entries, extra="compressed-tensors"))
+register_encoding(Encoding(
     "safetensors", "a plain safetensors file (dense tensors)",
     writer=".plain:write_safetensors", reader=".checkpoint:read_plain_safetensors",
     claims=lambda p: p.kind == "file" and (p.safetensors is not None or p.path.endswith(".safetensors")),

