@@ -17,8 +17,7 @@ import warnings
 import pytest
 import torch
 
-safetensors = pytest.importorskip("safetensors")
-import safetensors.torch  # noqa: E402
+pytest.importorskip("safetensors")
 
 from prunekit.cli import main  # noqa: E402
 from prunekit.io import (  # noqa: E402

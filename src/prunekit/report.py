@@ -36,7 +36,6 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-import torch
 from torch import Tensor, nn
 
 from . import _sharded

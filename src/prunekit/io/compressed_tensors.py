@@ -31,7 +31,7 @@ import os
 import secrets
 import shutil
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 

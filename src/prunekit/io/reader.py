@@ -22,7 +22,7 @@ import json
 import math
 import os
 import stat
-from typing import IO, Any, Dict, List, Optional, Tuple, Type
+from typing import IO, Any, Dict, List, Tuple, Type
 
 import torch
 
