@@ -16,12 +16,10 @@ Example:
 from __future__ import annotations
 
 from ..io.api import save_compressed
-from ..io.compressed import (  # noqa: F401 - the bit packing is used by the tests
+from ..io.compressed import (
     FORMAT_NAME,
     CheckpointSignatureError,
     CorruptCheckpointError,
-    _pack_bits,
-    _unpack_bits,
     load_compressed,
 )
 
