@@ -368,3 +368,10 @@ def remove(module: nn.Module, name: str) -> nn.Module:
         (4, False)
     """
     return reparam.remove(module, name)
+
+
+def _install_mask(module: nn.Module, name: str, mask: Tensor, *, mask_dtype: Optional[torch.dtype] = None) -> None:
+    CustomFromMask.apply(module, name, mask, mask_dtype=mask_dtype)
+
+
+reparam._register_installer(_install_mask)

@@ -1,4 +1,34 @@
-"""The reparameterization ``name = name_orig * name_mask`` and the surgery around it.
+"""The one mask module: ``name = name_orig * name_mask`` and the surgery around it.
+
+Every package of prunekit (the pruning methods, training, compaction,
+checkpoints, state dicts, reports) asks this module, and only it, whether a
+tensor is pruned, what its effective value is, to apply a mask and to drop
+one. Its public API:
+
+==============================  ===============================================
+``masked(t, mask)``             the one definition of mask application (below)
+``is_masked(module, name)``     is ``name`` reparameterized (prunekit or torch)?
+``get_mask(module, name)``      its mask buffer, or ``None``
+``stored(module, name)``        ``name_orig`` if masked, else ``name`` itself
+``effective(module, name)``     the value the forward pass uses, detached
+``apply_mask(module, name, k)`` prune ``name`` with mask ``k`` (on any earlier)
+``unmask(module, name, bake)``  drop the reparameterization, mask baked or not
+``iter_masked(model)``          every masked ``(module name, module, name)``
+``owner_of(model, path)``       ``(module, "weight")`` for ``"layer1.0.weight"``
+``remove(module, name)``        torch's ``remove``: ``unmask`` with ``bake``
+``is_pruned(module)``           torch's ``is_pruned``
+==============================  ===============================================
+
+Mask application, one definition: ``masked(t, mask)`` is ``t * mask`` in the
+dtype of ``t``, except that an entry whose mask is zero is exactly ``+0``
+whatever ``t`` holds there (a negative value, ``inf`` and ``NaN`` included); a
+mask value other than 0 and 1 scales its entry. ``remove``, the no-grad value
+of ``name``, state-dict conversion, compressed checkpoints, training and
+compaction all use it. With gradients on, ``name`` is autograd's
+``name_orig * name_mask`` (one multiplication per forward, as in torch): the
+same values, except that a masked entry reads ``-0.0`` where ``name_orig`` is
+negative (equal to ``0``) and ``NaN`` where it is not finite; forcing ``+0``
+there would cost about three times the multiplication in every training step.
 
 When a tensor ``name`` of a module is pruned:
 
@@ -7,7 +37,7 @@ When a tensor ``name`` of a module is pruned:
 * the mask is registered as the buffer ``name_mask``;
 * the module's class becomes a per-(class, pruned names) subclass, with the
   same ``__name__``/``__module__``, that serves ``module.name`` through a
-  property computing ``name_orig * name_mask``;
+  property computing the masked value;
 * the pruning method is registered as a forward pre-hook, as in
   ``torch.nn.utils.prune``, so code that looks for it there finds it.
 
@@ -19,7 +49,7 @@ what fixes several faults of ``torch.nn.utils.prune`` at their root:
   ``out_proj.weight`` directly);
 * no derived, non-leaf tensor sits in ``module.__dict__``, so ``deepcopy``,
   pickle and ``torch.save`` work in any state;
-* under ``no_grad`` (or for a frozen ``name_orig``) the product is cached and
+* under ``no_grad`` (or for a frozen ``name_orig``) the value is cached and
   reused until ``name_orig`` or ``name_mask`` change (identity, storage or
   in-place version), so inference costs what a dense module costs. With
   gradients on, every read builds a fresh product, so gradients reach
@@ -30,21 +60,31 @@ from __future__ import annotations
 
 import difflib
 import weakref
-from typing import Any, Dict, FrozenSet, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterator, Optional, Tuple
 
+import torch
 from torch import Tensor, nn
 
 from . import _sharded
 from ._backend import TORCH, Backend, backend_of, backend_of_class, is_module, is_tensor
 
 __all__ = [
+    "apply_mask",
     "base_class",
     "describe",
+    "effective",
     "find_hook",
+    "get_mask",
+    "is_masked",
     "is_pruned",
+    "iter_masked",
     "iter_pruned",
+    "masked",
+    "owner_of",
     "pruned_names",
     "remove",
+    "stored",
+    "unmask",
 ]
 
 _CACHE = "_prunekit_cache"
@@ -159,8 +199,195 @@ class _CacheEntry:
 
 
 def masked_product(orig: Tensor, mask: Tensor) -> Tensor:
-    """``orig * mask`` for float or boolean masks (gradient reaches ``orig``, zero where masked)."""
+    """``orig * mask`` as autograd sees it (the forward pass with gradients on)."""
     return orig * mask
+
+
+def masked(t: Tensor, mask: Tensor, *, inplace: bool = False) -> Tensor:
+    """Apply ``mask`` to ``t``: the one definition, used everywhere in prunekit.
+
+    ``t * mask`` in ``t``'s dtype, except that every entry whose mask is zero is
+    exactly ``+0`` whatever ``t`` holds there (``-x``, ``inf``, ``NaN``); mask
+    values other than 0 and 1 scale their entry. Boolean masks keep where True.
+    Computed without gradients; ``inplace=True`` writes into ``t`` (same object).
+
+    Example:
+        >>> import torch
+        >>> t = torch.tensor([-1.0, float("nan"), 3.0, 4.0])
+        >>> masked(t, torch.tensor([0.0, 0.0, 1.0, 0.5])).tolist()
+        [0.0, 0.0, 3.0, 2.0]
+        >>> masked(t, torch.tensor([False, True, True, False])).tolist()[2:]
+        [3.0, 0.0]
+        >>> str(masked(torch.tensor([-2.0]), torch.tensor([0.0]))[0].item())  # +0.0, not -0.0
+        '0.0'
+    """
+    b = backend_of(t) or TORCH
+    with b.no_grad():
+        if mask.dtype == b.bool:
+            return t.masked_fill_(~mask, 0) if inplace else t.masked_fill(~mask, 0)
+        if mask.dtype != t.dtype:
+            mask = mask.to(t.dtype)
+        if inplace:
+            t.masked_fill_(mask == 0, 0)
+            return b.mul_(t, mask)
+        return (t * mask).masked_fill_(mask == 0, 0)
+
+
+# ---------------------------------------------------------- the mask questions
+def is_masked(module: nn.Module, name: str) -> bool:
+    """Whether ``module.name`` is reparameterized as ``name_orig``/``name_mask`` (by prunekit or torch).
+
+    Example:
+        >>> import torch, prunekit
+        >>> m = prunekit.l1_unstructured(torch.nn.Linear(3, 2), "weight", amount=1)
+        >>> is_masked(m, "weight"), is_masked(m, "bias")
+        (True, False)
+    """
+    return name + "_orig" in getattr(module, "_parameters", {}) and name + "_mask" in getattr(module, "_buffers", {})
+
+
+def get_mask(module: nn.Module, name: str) -> Optional[Tensor]:
+    """The mask buffer of ``module.name``, or ``None`` when it is not masked.
+
+    Example:
+        >>> import torch, prunekit
+        >>> m = prunekit.custom_from_mask(torch.nn.Linear(2, 1), "weight", torch.tensor([[1, 0]]))
+        >>> get_mask(m, "weight").tolist(), get_mask(m, "bias")
+        ([[1.0, 0.0]], None)
+    """
+    return module._buffers[name + "_mask"] if is_masked(module, name) else None
+
+
+def stored(module: nn.Module, name: str) -> Optional[Tensor]:
+    """The tensor held for ``name``: ``name_orig`` when masked, else ``module.name`` (``None`` if absent).
+
+    Never computes the masked value.
+
+    Example:
+        >>> import torch, prunekit
+        >>> m = prunekit.l1_unstructured(torch.nn.Linear(3, 2), "weight", amount=1)
+        >>> stored(m, "weight") is m.weight_orig, stored(m, "bias") is m.bias
+        (True, True)
+    """
+    if is_masked(module, name):
+        return module._parameters[name + "_orig"]
+    return getattr(module, name, None)
+
+
+def effective(module: nn.Module, name: str) -> Tensor:
+    """The value the forward pass uses for ``module.name``, detached (a fresh tensor when masked).
+
+    Example:
+        >>> import torch, prunekit
+        >>> m = prunekit.custom_from_mask(torch.nn.Linear(2, 1, bias=False), "weight", torch.tensor([[0, 1]]))
+        >>> torch.equal(effective(m, "weight"), m.weight_orig.detach() * torch.tensor([[0.0, 1.0]]))
+        True
+    """
+    if is_masked(module, name):
+        return masked(module._parameters[name + "_orig"].detach(), module._buffers[name + "_mask"])
+    return getattr(module, name).detach()
+
+
+_installer: Optional[Callable[..., Any]] = None
+
+
+def _register_installer(fn: Callable[..., Any]) -> None:
+    """Called once by :mod:`prunekit.methods`: how :func:`apply_mask` installs a mask.
+
+    Installing needs a pruning method as the forward pre-hook (``CustomFromMask``),
+    which lives in the methods layer above this module; the layers import only
+    downward, so the methods layer hands its installer down at import.
+    """
+    global _installer
+    _installer = fn
+
+
+def apply_mask(module: nn.Module, name: str, mask: Tensor, *, mask_dtype: Optional[Any] = None) -> None:
+    """Prune ``module.name`` with ``mask`` (zeros prune), on top of any mask it already has.
+
+    What ``custom_from_mask`` does: the reparameterization is installed (or the
+    existing mask multiplied by ``mask``: a mask only loses ones), nothing is
+    changed if anything fails. ``mask_dtype`` as for every pruning function.
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Linear(3, 1, bias=False)
+        >>> apply_mask(m, "weight", torch.tensor([[1, 0, 1]]))
+        >>> apply_mask(m, "weight", torch.tensor([[0, 1, 1]]))
+        >>> get_mask(m, "weight").tolist()
+        [[0.0, 0.0, 1.0]]
+    """
+    if _installer is None:  # pragma: no cover - prunekit/__init__ imports the methods layer
+        raise RuntimeError("prunekit.methods is not imported; `import prunekit` first")
+    _installer(module, name, mask, mask_dtype=mask_dtype)
+
+
+def unmask(module: nn.Module, name: str, *, bake: bool = True) -> Tensor:
+    """Drop the reparameterization of ``module.name`` (prunekit's or torch's); return the mask.
+
+    ``name`` becomes a plain Parameter again -- the same object as
+    ``name_orig`` -- holding ``masked(name_orig, name_mask)`` (``bake=True``,
+    what :func:`remove` does) or ``name_orig``'s values unchanged
+    (``bake=False``: undo a mask).
+
+    Raises:
+        ValueError: ``module.name`` is not masked.
+
+    Example:
+        >>> import torch, prunekit
+        >>> m = prunekit.custom_from_mask(torch.nn.Linear(2, 1), "weight", torch.tensor([[0, 1]]))
+        >>> w = m.weight_orig.detach().clone()
+        >>> unmask(m, "weight", bake=False).tolist(), torch.equal(m.weight, w), is_masked(m, "weight")
+        ([[0.0, 1.0]], True, False)
+    """
+    if not is_masked(module, name):
+        raise ValueError(f"{describe(module, name)} is not masked: it has no {name}_orig/{name}_mask pair to drop")
+    mask = module._buffers[name + "_mask"]
+    if name in pruned_names(module):
+        if bake:
+            remove(module, name)
+        else:
+            _drop(module, name)
+        return mask
+    # pruned by torch.nn.utils.prune: its own remove, then the value we define
+    from torch.nn.utils import prune as torch_prune
+
+    orig = module._parameters[name + "_orig"]
+    with torch.no_grad():
+        value = masked(orig.detach(), mask) if bake else orig.detach().clone()
+    torch_prune.remove(module, name)
+    with torch.no_grad():
+        module._parameters[name].copy_(value)
+    return mask
+
+
+def iter_masked(model: nn.Module) -> Iterator[Tuple[str, nn.Module, str]]:
+    """``(module name, module, tensor name)`` for every ``name_orig``/``name_mask`` pair, whoever pruned it.
+
+    Example:
+        >>> import torch, prunekit
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> _ = prunekit.identity(net[1], "bias")
+        >>> [(q, n) for q, _, n in iter_masked(net)]
+        [('1', 'bias')]
+    """
+    for qual, sub in model.named_modules():
+        for bname in list(sub._buffers):
+            if bname.endswith("_mask") and is_masked(sub, bname[: -len("_mask")]):
+                yield qual, sub, bname[: -len("_mask")]
+
+
+def owner_of(model: nn.Module, path: str) -> Tuple[nn.Module, str]:
+    """The submodule that owns the tensor at ``path`` and the tensor's name in it.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> owner_of(net, "0.weight")[0] is net[0], owner_of(net, "0.weight")[1]
+        (True, 'weight')
+    """
+    prefix, _, leaf = path.rpartition(".")
+    return (model.get_submodule(prefix) if prefix else model), leaf
 
 
 def _masked_value(module: nn.Module, name: str, orig: Tensor, mask: Tensor, b: Backend = TORCH) -> Tensor:
@@ -174,11 +401,10 @@ def _masked_value(module: nn.Module, name: str, orig: Tensor, mask: Tensor, b: B
         return entry.value
     if b.is_inference_mode_enabled():
         # cache a normal tensor, usable outside inference mode too
-        with b.inference_mode(False), b.no_grad():
-            value = masked_product(orig, mask)
+        with b.inference_mode(False):
+            value = masked(orig, mask)
     else:
-        with b.no_grad():
-            value = masked_product(orig, mask)
+        value = masked(orig, mask)
     cache[name] = _CacheEntry(orig, mask, value, b)
     return value
 
@@ -208,8 +434,7 @@ def _masked_property(name: str, b: Backend = TORCH) -> property:
 
 def current_value(module: nn.Module, name: str) -> Tensor:
     """The pruned tensor's value, computed without touching the cache (no grad)."""
-    with (backend_of(module) or TORCH).no_grad():
-        return masked_product(module._parameters[name + "_orig"], module._buffers[name + "_mask"])
+    return masked(module._parameters[name + "_orig"], module._buffers[name + "_mask"])
 
 
 def drop_cache(module: nn.Module, name: Optional[str] = None) -> None:
@@ -359,18 +584,19 @@ def remove(module: nn.Module, name: str) -> nn.Module:
             f"Parameter '{name}' of module {describe(module) if is_module(module) else module!r} "
             "has to be pruned before pruning can be removed"
         )
+    # pruned entries become +0.0 (a plain product would leave -0.0 for negative
+    # weights: equal to 0, but a sign bit per zero that compressed checkpoints must keep)
+    masked(module._parameters[name + "_orig"], module._buffers[name + "_mask"], inplace=True)
+    return _drop(module, name, key)
+
+
+def _drop(module: nn.Module, name: str, key: Optional[int] = None) -> nn.Module:
+    """Undo the reparameterization of ``name``: ``name_orig`` becomes ``name`` again, values untouched."""
+    if key is None:
+        key = find_hook(module, name)[0]
     orig = module._parameters[name + "_orig"]
-    mask = module._buffers[name + "_mask"]
-    b = backend_of(module) or TORCH
-    with b.no_grad():
-        # pruned entries become +0.0 (a plain product would leave -0.0 for negative
-        # weights: equal to 0, but a sign bit per zero that compressed checkpoints must keep)
-        if mask.dtype == b.bool:
-            orig.masked_fill_(~mask, 0)
-        else:
-            orig.masked_fill_(mask == 0, 0)
-            b.mul_(orig, mask)
-    del module._forward_pre_hooks[key]
+    if key is not None:
+        del module._forward_pre_hooks[key]
     _set_names(module, pruned_names(module) - {name})
     del module._parameters[name + "_orig"]
     del module._buffers[name + "_mask"]

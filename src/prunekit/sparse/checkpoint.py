@@ -41,6 +41,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from .. import reparam
 from .._backend import require_torch
 
 __all__ = ["save_compressed", "load_compressed", "CorruptCheckpointError", "FORMAT_NAME"]
@@ -312,7 +313,9 @@ def _drop_masked(sd: "OrderedDict[str, torch.Tensor]") -> "OrderedDict[str, torc
         mask = sd.get(mask_key)
         if mask is None or mask.shape != value.shape:
             continue
-        out[key] = torch.where(mask != 0, value, torch.zeros((), dtype=value.dtype, device=value.device))
+        # zero where masked, keep the rest: masked() with the mask's zeros only, so the
+        # effective weight X_orig * X_mask is unchanged even for masks that scale
+        out[key] = reparam.masked(value, mask != 0)
     return out
 
 

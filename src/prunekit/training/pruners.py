@@ -34,13 +34,13 @@ from __future__ import annotations
 import logging
 import math
 import re
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
 
 from torch import Tensor, nn
 
 from .. import _sharded
 from .._backend import TORCH, Backend, FrameworkMismatchError, backend_of, is_module, is_tensor
-from . import _masking as mk
+from .. import reparam
 from .allocation import check_feasible, global_counts, local_counts
 from .config import PrunerConfig
 from .criteria import Criterion, get_criterion
@@ -99,7 +99,7 @@ def select_modules(model: nn.Module, config: Union[PrunerConfig, Mapping[str, An
     for qname, module in model.named_modules():
         if not types.intersection(_class_names(module)):
             continue
-        if not is_tensor(mk.raw_weight(module, name)):
+        if not is_tensor(reparam.stored(module, name)):
             continue
         if inc and not any(p.search(qname) for p in inc):
             continue
@@ -107,6 +107,48 @@ def select_modules(model: nn.Module, config: Union[PrunerConfig, Mapping[str, An
             continue
         out[qname] = module
     return out
+
+
+
+def _ensure_mask(module: nn.Module, name: str, init: Optional[Tensor] = None) -> Tensor:
+    """The module's mask buffer for ``name``, created (all ones, or ``init``) by the mask module."""
+    if reparam.is_masked(module, name):
+        return reparam.get_mask(module, name)
+    w = getattr(module, name)
+    b = backend_of(w) or TORCH
+    mask = b.ns.ones_like(w) if init is None else init.to(device=w.device, dtype=w.dtype)
+    reparam.apply_mask(module, name, mask)
+    return reparam.get_mask(module, name)
+
+
+def drop_masks(modules: Iterable[nn.Module], name: str = "weight") -> None:
+    """Undo :func:`_ensure_mask` on ``modules`` that carry a mask: ``name`` becomes the plain
+    Parameter again, holding the values of ``name_orig`` (what it held before the mask)."""
+    for m in modules:
+        if reparam.is_masked(m, name):
+            reparam.unmask(m, name, bake=False)
+
+
+def clear_optimizer_state(optimizers: Iterable[Any], param: Tensor, keep: Tensor) -> int:
+    """Zero every per-entry optimizer state tensor of ``param`` where ``keep`` is 0.
+
+    Momentum buffers, Adam's moments and any other state with the parameter's
+    shape are cleared at pruned entries; scalars (``step``) are left alone.
+    Works for ``torch.optim`` and ``tensorplay.optim`` optimizers alike (both
+    keep ``optimizer.state[param]`` as a dict of tensors).
+    Returns the number of state tensors touched.
+    """
+    b = backend_of(param) or TORCH
+    touched = 0
+    for opt in optimizers:
+        state = opt.state.get(param)
+        if not state:
+            continue
+        for value in state.values():
+            if is_tensor(value) and tuple(value.shape) == tuple(param.shape):
+                b.mul_(value, keep.to(value.dtype))
+                touched += 1
+    return touched
 
 
 class Pruner:
@@ -155,7 +197,7 @@ class Pruner:
         for name, module in modules.items():
             if not is_module(module):
                 raise TypeError(f"modules[{name!r}]={module!r} is not an nn.Module (torch.nn or tensorplay.nn)")
-            w = mk.raw_weight(module, self.weight_name)
+            w = reparam.stored(module, self.weight_name)
             if not is_tensor(w):
                 raise ValueError(f"module {name!r} ({type(module).__name__}) has no tensor {self.weight_name!r} to prune")
             reason = self.pattern.check(tuple(w.shape))
@@ -180,10 +222,10 @@ class Pruner:
         # check that the target is reachable before touching any module
         initial = {n: self._initial_mask(n, m) for n, m in self.modules.items()}
         self._check_target(initial)
-        created = [m for m in self.modules.values() if not mk.is_reparametrized(m, self.weight_name)]
+        created = [m for m in self.modules.values() if not reparam.is_masked(m, self.weight_name)]
         try:
             self.masks: Dict[str, Tensor] = {
-                n: mk.ensure_mask(m, self.weight_name, initial[n]) for n, m in self.modules.items()
+                n: _ensure_mask(m, self.weight_name, initial[n]) for n, m in self.modules.items()
             }
             self.initial_sparsity = self._group_sparsity()
             self.current_sparsity_ratio = self.initial_sparsity
@@ -199,7 +241,7 @@ class Pruner:
                 self.update_frequency_on_step, initial_sparsity=min(self.initial_sparsity, self.target_sparsity_ratio),
             )
         except Exception:
-            mk.drop_masks(created, self.weight_name)  # a failed set-up leaves the modules as they were
+            drop_masks(created, self.weight_name)  # a failed set-up leaves the modules as they were
             raise
 
     # ------------------------------------------------------------------ set-up helpers
@@ -229,9 +271,9 @@ class Pruner:
             return
         names, numel, lo, hi, un = [], [], [], [], []
         for n, m in self.modules.items():
-            shape = tuple(mk.raw_weight(m, self.weight_name).shape)
-            if mk.is_reparametrized(m, self.weight_name):
-                mask = mk.get_mask(m, self.weight_name)
+            shape = tuple(reparam.stored(m, self.weight_name).shape)
+            if reparam.is_masked(m, self.weight_name):
+                mask = reparam.get_mask(m, self.weight_name)
             else:
                 mask = initial.get(n)
             pruned = 0 if mask is None else self._pruned_units(n, m, mask)
@@ -338,7 +380,7 @@ class Pruner:
         b = self._b
         with b.no_grad():
             for n, m in self.modules.items():
-                orig = mk.get_orig(m, self.weight_name)
+                orig = reparam.stored(m, self.weight_name)
                 mask = self.masks[n]
                 b.mul_(orig, mask if mask.dtype == orig.dtype else mask.to(orig.dtype))
 
@@ -353,13 +395,13 @@ class Pruner:
             return
         with self._b.no_grad():
             for n, m in self.modules.items():
-                orig = mk.get_orig(m, self.weight_name)
+                orig = reparam.stored(m, self.weight_name)
                 self.criterion.update(n, orig.detach(), orig.grad)
         self._scored_step = self.global_step
 
     def layer_scores(self, name: str, module: nn.Module) -> Tensor:
         """Importance of every weight of one layer (higher = keep)."""
-        w = mk.effective_weight(module, self.weight_name)
+        w = reparam.effective(module, self.weight_name)
         s = self.criterion.score(name, w)
         if s is None:
             logger.warning("%s: no gradient scores for %r yet; ranking it by magnitude this time",
@@ -410,7 +452,7 @@ class Pruner:
     def _set_mask(self, name: str, keep: Tensor) -> None:
         module = self.modules[name]
         mask = self.masks[name]
-        orig = mk.get_orig(module, self.weight_name)
+        orig = reparam.stored(module, self.weight_name)
         b = self._b
         if b.ns.equal(keep.to(b.bool), mask != 0):
             return
@@ -419,7 +461,7 @@ class Pruner:
         b.mul_(orig, keep_f)
         if orig.grad is not None:
             b.mul_(orig.grad, keep_f.to(orig.grad.dtype))
-        mk.clear_optimizer_state(self.optimizers, orig, keep_f)
+        clear_optimizer_state(self.optimizers, orig, keep_f)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> Dict[str, Any]:
@@ -515,7 +557,7 @@ class PatternLockPruner(Pruner):
     adds_zeros = False
 
     def _initial_mask(self, name: str, module: nn.Module) -> Optional[Tensor]:
-        w = mk.raw_weight(module, self.weight_name)
+        w = reparam.stored(module, self.weight_name)
         return (w != 0).to(w.dtype)
 
 

@@ -30,9 +30,9 @@ from typing import Any, Dict, List, Mapping, Optional
 from torch import nn
 
 from .._backend import TORCH, FrameworkMismatchError, backend_of, is_module, optimizer_backend
-from . import _masking as mk
+from .. import reparam
 from .config import PruningConfig, load_config
-from .pruners import Pruner, get_pruner, select_modules
+from .pruners import Pruner, drop_masks, get_pruner, select_modules
 from .report import SparsityReport, sparsity_report
 
 __all__ = ["PruningCallbacks", "prepare_pruning"]
@@ -254,7 +254,7 @@ def prepare_pruning(model: nn.Module, config: Any = None,
         selections.append(sel)
     pruners: List[Pruner] = []
     # on a failure, remove the masks of the pruners built so far: the model is left untouched
-    before = {n: mk.is_reparametrized(m) for n, m in model.named_modules()}
+    before = {n: reparam.is_masked(m, "weight") for n, m in model.named_modules()}
     try:
         for sel, pc in zip(selections, cfg.pruners):
             pruners.append(get_pruner(sel, pc))
@@ -270,4 +270,4 @@ def prepare_pruning(model: nn.Module, config: Any = None,
 
 def _undo(model: nn.Module, before: Mapping[str, bool]) -> None:
     """Remove the weight reparameterizations a failed ``prepare_pruning`` added."""
-    mk.drop_masks(m for n, m in model.named_modules() if not before.get(n, False))
+    drop_masks(m for n, m in model.named_modules() if not before.get(n, False))
