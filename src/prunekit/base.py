@@ -193,11 +193,11 @@ class BasePruningMethod(ABC):
                 old.add_pruning_method(method)
             if sharded is not None:
                 sharded.installed(module, name)
+            method._release()
+            return hook
         except BaseException:
             snapshot.restore()
             raise
-        method._release()
-        return hook
 
     def _release(self) -> None:
         """Drop tensors the method no longer needs once its mask is stored (none by default)."""

@@ -273,6 +273,7 @@ class CustomFromMask(BasePruningMethod):
 
 
 # ------------------------------------------------------------ functional API
+@reparam.atomic
 def identity(module: nn.Module, name: str, *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Reparameterize ``name`` with a mask of ones (prunes nothing).
 
@@ -286,6 +287,7 @@ def identity(module: nn.Module, name: str, *, mask_dtype: Optional[torch.dtype] 
     return module
 
 
+@reparam.atomic
 def random_unstructured(module: nn.Module, name: str, amount: Amount, *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Prune ``amount`` of the currently unpruned entries of ``name`` at random.
 
@@ -299,6 +301,7 @@ def random_unstructured(module: nn.Module, name: str, amount: Amount, *, mask_dt
     return module
 
 
+@reparam.atomic
 def l1_unstructured(module: nn.Module, name: str, amount: Amount, importance_scores: Optional[Tensor] = None,
                     *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Prune ``amount`` of the currently unpruned entries of ``name`` with the smallest |value| (or importance).
@@ -316,6 +319,7 @@ def l1_unstructured(module: nn.Module, name: str, amount: Amount, importance_sco
     return module
 
 
+@reparam.atomic
 def random_structured(module: nn.Module, name: str, amount: Amount, dim: int,
                       *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Prune ``amount`` of the currently unpruned channels of ``name`` along ``dim`` at random.
@@ -330,6 +334,7 @@ def random_structured(module: nn.Module, name: str, amount: Amount, dim: int,
     return module
 
 
+@reparam.atomic
 def ln_structured(module: nn.Module, name: str, amount: Amount, n: NormOrder, dim: int,
                   importance_scores: Optional[Tensor] = None, *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Prune ``amount`` of the currently unpruned channels of ``name`` along ``dim`` with the lowest L``n`` norm.
@@ -344,6 +349,7 @@ def ln_structured(module: nn.Module, name: str, amount: Amount, n: NormOrder, di
     return module
 
 
+@reparam.atomic
 def custom_from_mask(module: nn.Module, name: str, mask: Tensor, *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Prune ``name`` with a mask you computed (combined with any earlier mask).
 

@@ -59,6 +59,7 @@ what fixes several faults of ``torch.nn.utils.prune`` at their root:
 from __future__ import annotations
 
 import difflib
+import functools
 import weakref
 from typing import Any, Callable, Dict, FrozenSet, Iterator, Optional, Tuple
 
@@ -344,21 +345,24 @@ def unmask(module: nn.Module, name: str, *, bake: bool = True) -> Tensor:
         raise ValueError(f"{describe(module, name)} is not masked: it has no {name}_orig/{name}_mask pair to drop")
     mask = module._buffers[name + "_mask"]
     if name in pruned_names(module):
-        if bake:
-            remove(module, name)
-        else:
-            _drop(module, name)
-        return mask
+        return _transaction(module, name, bake, lambda: (_drop(module, name), mask)[1])
     # pruned by torch.nn.utils.prune: its own remove, then the value we define
     from torch.nn.utils import prune as torch_prune
 
     orig = module._parameters[name + "_orig"]
+    old_data = orig.data  # torch's remove swaps orig's storage for the product's
     with torch.no_grad():
         value = masked(orig.detach(), mask) if bake else orig.detach().clone()
-    torch_prune.remove(module, name)
-    with torch.no_grad():
-        module._parameters[name].copy_(value)
-    return mask
+    snapshot = Snapshot(module)
+    try:
+        torch_prune.remove(module, name)
+        with torch.no_grad():
+            module._parameters[name].copy_(value)
+        return mask
+    except BaseException:
+        orig.data = old_data
+        snapshot.restore()
+        raise
 
 
 def iter_masked(model: nn.Module) -> Iterator[Tuple[str, nn.Module, str]]:
@@ -518,6 +522,7 @@ class Snapshot:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.cls = type(module)
+        self.attrs = dict(module.__dict__)  # plain attributes (torch.nn.utils.prune keeps `name` there)
         self.params = dict(module._parameters)
         self.buffers = dict(module._buffers)
         self.non_persistent = set(module._non_persistent_buffers_set)
@@ -530,6 +535,9 @@ class Snapshot:
     def restore(self) -> None:
         m = self.module
         m.__class__ = self.cls
+        for key in [k for k in m.__dict__ if k not in self.attrs]:
+            del m.__dict__[key]
+        m.__dict__.update(self.attrs)
         for target, saved in ((m._parameters, self.params), (m._buffers, self.buffers), (m._forward_pre_hooks, self.hooks)):
             target.clear()
             target.update(saved)
@@ -541,6 +549,28 @@ class Snapshot:
         sharded = _sharded.handler_for(*self.params.values())
         if sharded is not None:
             sharded.restored(m)
+
+
+def atomic(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate ``fn(module, ...)``: if it fails (``KeyboardInterrupt`` included), ``module``'s
+    structure (class, attributes, parameters, buffers, hooks) is restored as it was.
+
+    The wrapper's last step is the call itself, so no failure can land between a
+    completed change and the return. For functions that change tensor values the
+    function itself keeps what it overwrites.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(module: Any, *args: Any, **kwargs: Any) -> Any:
+        snapshot = Snapshot(module) if is_module(module) else None
+        try:
+            return fn(module, *args, **kwargs)
+        except BaseException:
+            if snapshot is not None:
+                snapshot.restore()
+            raise
+
+    return wrapper
 
 
 def install(module: nn.Module, name: str, mask: Tensor, method: Any, hook_key: Optional[int]) -> None:
@@ -586,8 +616,31 @@ def remove(module: nn.Module, name: str) -> nn.Module:
         )
     # pruned entries become +0.0 (a plain product would leave -0.0 for negative
     # weights: equal to 0, but a sign bit per zero that compressed checkpoints must keep)
-    masked(module._parameters[name + "_orig"], module._buffers[name + "_mask"], inplace=True)
-    return _drop(module, name, key)
+    return _transaction(module, name, True, lambda: _drop(module, name, key))
+
+
+def _transaction(module: nn.Module, name: str, bake: bool, drop: Any) -> Any:
+    """Bake (or not) and ``drop()``, all or nothing: a failure restores the structure and the values.
+
+    Only the entries the bake changes (mask != 1) are kept aside, not the whole tensor.
+    """
+    orig, mask = module._parameters[name + "_orig"], module._buffers[name + "_mask"]
+    b = backend_of(orig) or TORCH
+    snapshot = Snapshot(module)
+    changed = saved = None
+    try:
+        if bake:
+            with b.no_grad():
+                changed = (mask != 1) if mask.dtype != b.bool else ~mask
+                saved = orig.detach()[changed]
+            masked(orig, mask, inplace=True)
+        return drop()
+    except BaseException:
+        if saved is not None:
+            with b.no_grad():
+                orig.detach()[changed] = saved
+        snapshot.restore()
+        raise
 
 
 def _drop(module: nn.Module, name: str, key: Optional[int] = None) -> nn.Module:
