@@ -266,10 +266,12 @@ def combine_masks(method: BasePruningMethod, t: Tensor, mask: Tensor) -> Tensor:
         >>> combine_masks(prunekit.L1Unstructured(amount=1), torch.tensor([5.0, 0.1, 3.0, 4.0]), mask).tolist()
         [1.0, 0.0, 0.0, 1.0]
     """
+    # the result has t's dtype whatever the dtype of mask (an integer default_mask
+    # included), as torch's PruningContainer gives
     fast = method._combine_fast(t, mask)
     if fast is not None:
-        return fast
-    new_mask = mask.to(dtype=t.dtype) if t.is_floating_point() else mask.clone()
+        return fast if fast.dtype == t.dtype else fast.to(t.dtype)
+    new_mask = mask.to(dtype=t.dtype)
     if new_mask is mask:
         new_mask = mask.clone()
     if method.PRUNING_TYPE == "unstructured":

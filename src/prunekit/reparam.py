@@ -150,6 +150,7 @@ def _class_for(base: type, names: FrozenSet[str]) -> type:
             "__qualname__": base.__qualname__,
             "__doc__": base.__doc__,
             "__reduce_ex__": _reduce_ex,
+            "__setstate__": _setstate,
         }
         for name in names:
             namespace[name] = _masked_property(name, namespace["_prunekit_backend"])
@@ -164,10 +165,39 @@ def _set_names(module: nn.Module, names: FrozenSet[str]) -> None:
 
 def _reduce_ex(self: nn.Module, protocol: int):
     # Pickle / deepcopy: rebuild from the original class, then restore the
-    # state. The inference cache is derived data and is not copied.
+    # state. The inference cache is derived data and is not copied; an RNN's
+    # _flat_weights (which may hold products with a grad_fn) are rebuilt on load.
     state = dict(self.__dict__)
     state.pop(_CACHE, None)
+    if isinstance(state.get("_flat_weights"), list):
+        names = state.get("_flat_weights_names", [])
+        state["_flat_weights"] = [self._parameters.get(n + "_orig", w) if n in pruned_names(self) else w
+                                  for n, w in zip(names, state["_flat_weights"])]
+        state.pop("_flat_weight_refs", None)
     return (_rebuild, (base_class(self), tuple(sorted(pruned_names(self)))), state)
+
+
+def _setstate(self: nn.Module, state: Dict[str, Any]) -> None:
+    base = base_class(self)
+    setstate = getattr(base, "__setstate__", None)
+    if setstate is not None:
+        setstate(self, state)
+    else:  # pragma: no cover - nn.Module defines __setstate__
+        self.__dict__.update(state)
+    refresh_flat_weights(self)
+
+
+def refresh_flat_weights(module: nn.Module) -> None:
+    """An RNN keeps its weights in ``_flat_weights``: point it at the current (masked) values.
+
+    ``nn.RNNBase`` fills that list through ``__setattr__``, which a pruned
+    tensor (a property) never goes through; torch.nn.utils.prune's hook did it
+    at each forward. Done whenever a mask is installed or dropped, and on load.
+    """
+    init = getattr(module, "_init_flat_weights", None)
+    if callable(init) and "_flat_weights_names" in module.__dict__:
+        with (backend_of(module) or TORCH).no_grad():
+            init()
 
 
 def _rebuild(base: type, names: Tuple[str, ...]) -> nn.Module:
@@ -549,6 +579,7 @@ class Snapshot:
         sharded = _sharded.handler_for(*self.params.values())
         if sharded is not None:
             sharded.restored(m)
+        refresh_flat_weights(m)
 
 
 def atomic(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -589,6 +620,7 @@ def install(module: nn.Module, name: str, mask: Tensor, method: Any, hook_key: O
         # replace the value in place: the hook keeps its position among the others
         module._forward_pre_hooks[hook_key] = method
     drop_cache(module, name)
+    refresh_flat_weights(module)
 
 
 def remove(module: nn.Module, name: str) -> nn.Module:
@@ -659,6 +691,7 @@ def _drop(module: nn.Module, name: str, key: Optional[int] = None) -> nn.Module:
     sharded = _sharded.handler_for(orig)
     if sharded is not None:
         sharded.uninstalled(module, name)
+    refresh_flat_weights(module)
     return module
 
 
