@@ -32,7 +32,8 @@ __all__ = ["BasePruningMethod", "PruningContainer", "combine_masks", "resolve_ma
 
 
 def resolve_mask_dtype(mask_dtype: Optional[Any], orig: Tensor, existing: Optional[Tensor]) -> Any:
-    """The dtype of the stored mask: explicit, else the existing mask's, else the weight's (as torch).
+    """The dtype of the stored mask: explicit, else the existing mask's, else the weight's (as torch,
+    integer and bool weights included: the pruned tensor keeps the weight's dtype).
 
     For a TensorPlay weight a torch dtype (``torch.bool``) is taken as the
     TensorPlay dtype of the same name.
@@ -46,7 +47,7 @@ def resolve_mask_dtype(mask_dtype: Optional[Any], orig: Tensor, existing: Option
         return b.as_dtype(mask_dtype)
     if existing is not None:
         return existing.dtype
-    return orig.dtype if (orig.is_floating_point() or orig.is_complex()) else b.ns.get_default_dtype()
+    return orig.dtype  # integer and bool weights keep their dtype, as torch does
 
 
 def lazy_ones(like: Tensor) -> Tensor:
@@ -332,8 +333,8 @@ def _compute(
         scores = importance_scores if importance_scores is not None else orig.detach()
         default = lazy_ones(orig) if method._lazy_default_ok else b.ones_like(orig)
         return method.compute_mask(scores, default_mask=default)
-    float_dtype = orig.dtype if orig.is_floating_point() else b.ns.get_default_dtype()
-    default = existing.to(dtype=float_dtype, memory_format=b.contiguous_format, copy=True)
+    work_dtype = orig.dtype if orig.dtype != b.bool else b.ns.get_default_dtype()
+    default = existing.to(dtype=work_dtype, memory_format=b.contiguous_format, copy=True)
     if importance_scores is not None:
         scores = importance_scores
     elif method.PRUNING_TYPE == "unstructured":

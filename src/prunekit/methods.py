@@ -122,7 +122,13 @@ class RandomUnstructured(BasePruningMethod):
         b = backend_of(t) or TORCH
         mask = default_mask.clone(memory_format=b.contiguous_format)
         if nparams_toprune != 0:
-            prob = b.ns.rand_like(t) if b is not TORCH else torch.rand_like(t, memory_format=torch.contiguous_format)
+            if not (t.is_floating_point() or t.is_complex()):
+                # integer and bool tensors: float32 draws (torch's rand_like refuses their dtype)
+                prob = b.ns.rand(tuple(t.shape)) if b is not TORCH else torch.rand(t.shape, device=t.device)
+            elif b is not TORCH:
+                prob = b.ns.rand_like(t)
+            else:
+                prob = torch.rand_like(t, memory_format=torch.contiguous_format)
             indices = b.topk(prob.reshape(-1), k=nparams_toprune)[1]
             mask.view(-1)[indices] = 0
         return mask

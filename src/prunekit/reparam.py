@@ -516,6 +516,14 @@ def check_prunable(module: Any, name: Any) -> Tuple[Tensor, bool]:
         raise TypeError(f"{describe(module)}: the tensor name must be a str such as 'weight', got {name!r}")
     if name in pruned_names(module):
         return module._parameters[name + "_orig"], True
+    for suffix, role in (("_orig", "the stored tensor"), ("_mask", "the mask")):
+        base = name[: -len(suffix)]
+        if name.endswith(suffix) and is_masked(module, base):
+            raise ValueError(
+                f"{describe(module)}.{name} is {role} of the pruned tensor {base!r}, not a tensor to prune; "
+                f"prune {base!r} itself (e.g. prunekit.l1_unstructured(module, {base!r}, amount)): a new method "
+                f"acts on what is still unpruned. To change {name} directly, write into it under torch.no_grad()"
+            )
     if _torch_pruned(module, name):
         raise ValueError(
             f"{describe(module)}.{name} is pruned by torch.nn.utils.prune; call "
