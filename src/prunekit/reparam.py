@@ -671,14 +671,20 @@ def _transaction(module: nn.Module, name: str, bake: bool, drop: Any) -> Any:
     try:
         if bake:
             with b.no_grad():
-                changed = (mask != 1) if mask.dtype != b.bool else ~mask
-                saved = orig.detach()[changed]
+                if type(orig) in _sharded.PLAIN_TYPES and type(mask) in _sharded.PLAIN_TYPES:
+                    changed = (mask != 1) if mask.dtype != b.bool else ~mask
+                    saved = orig.detach()[changed]
+                else:  # a DTensor shard: no boolean indexing there, keep a copy of the shard
+                    saved = orig.detach().clone()
             masked(orig, mask, inplace=True)
         return drop()
     except BaseException:
         if saved is not None:
             with b.no_grad():
-                orig.detach()[changed] = saved
+                if changed is None:
+                    orig.detach().copy_(saved)
+                else:
+                    orig.detach()[changed] = saved
         snapshot.restore()
         raise
 
