@@ -54,12 +54,37 @@ what fixes several faults of ``torch.nn.utils.prune`` at their root:
   in-place version), so inference costs what a dense module costs. With
   gradients on, every read builds a fresh product, so gradients reach
   ``name_orig`` (zero where masked).
+
+Writes through a pruned name, one rule with or without gradients: a write
+lands in ``name_orig`` at the unpruned entries and the mask still applies (the
+tensor stays pruned; ``name_orig`` keeps its values at pruned entries and
+stays the same Parameter). That covers ``module.weight.mul_(2)``,
+``module.weight.data += d``, ``module.weight.data.copy_(x)``,
+``module.weight.data = x`` and ``module.weight = nn.Parameter(x)`` (the last
+two need ``name``'s shape), i.e. how PEFT merges adapters, how EMA and
+initialisation code write. The value handed to the module's own ``forward``
+is the cache, served as it is (dense speed); a value handed to any other
+reader may be written, through a ``.data`` alias that shares no version
+counter, so the next access to the module (a read of ``name`` or
+``name_orig``, a forward, the state dict, a copy, ``remove``, pruning again)
+compares it with ``name_orig * name_mask`` and carries a difference into
+``name_orig`` -- one comparison, then none while nobody else holds the value.
+The cache therefore never disagrees with ``name_orig * name_mask``. To merge
+densely on purpose (the update not masked), ``prunekit.remove`` first. When
+both a write through ``name`` and a direct change of ``name_orig``/the mask
+happen before the next access, the direct change wins and a warning is logged.
+``torch.jit.trace``/``torch.compile``/``torch.export`` see the product itself
+(never a cached constant); ``torch.jit.script`` is refused with a message
+saying to trace, export or ``remove`` first. PyTorch modules only; on
+TensorPlay modules assigning to ``name`` raises (write into ``name_orig``).
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
+import logging
+import sys
 import weakref
 from typing import Any, Callable, Dict, FrozenSet, Iterator, Optional, Tuple
 
@@ -89,6 +114,7 @@ __all__ = [
 ]
 
 _CACHE = "_prunekit_cache"
+logger = logging.getLogger(__name__)
 _CLASSES: Dict[Tuple[type, FrozenSet[str]], type] = {}
 
 
@@ -128,12 +154,19 @@ def base_class(module: nn.Module) -> type:
         (True, True)
     """
     cls = type(module)
-    return cls.__dict__.get("_prunekit_base", cls)
+    for c in cls.__mro__:  # the pruned class may be wrapped (torch's parametrize subclasses it)
+        if "_prunekit_base" in c.__dict__:
+            return c.__dict__["_prunekit_base"] if c is cls else cls
+    return cls
 
 
 def pruned_names(module: nn.Module) -> FrozenSet[str]:
     """Names of the tensors of ``module`` that prunekit reparameterizes."""
-    return type(module).__dict__.get("_prunekit_names", frozenset())
+    for c in type(module).__mro__:
+        names = c.__dict__.get("_prunekit_names")
+        if names is not None:
+            return names
+    return frozenset()
 
 
 def _class_for(base: type, names: FrozenSet[str]) -> type:
@@ -151,12 +184,78 @@ def _class_for(base: type, names: FrozenSet[str]) -> type:
             "__doc__": base.__doc__,
             "__reduce_ex__": _reduce_ex,
             "__setstate__": _setstate,
+            "_prunekit_own_code": _own_code(base),
         }
+        if namespace["_prunekit_backend"] is TORCH:  # the write rule's hooks (PyTorch modules)
+            namespace.update({
+                "__setattr__": _setattr,
+                "__getattr__": _getattr,
+                "_save_to_state_dict": _save_to_state_dict,
+                "_load_from_state_dict": _load_from_state_dict,
+                "__prepare_scriptable__": _prepare_scriptable,
+            })
         for name in names:
             namespace[name] = _masked_property(name, namespace["_prunekit_backend"])
         cls = type(base.__name__, (base,), namespace)
         _CLASSES[key] = cls
     return cls
+
+
+_OWN_METHODS = ("forward", "_conv_forward", "_weights_have_changed", "_init_flat_weights")
+
+
+def _own_code(base: type) -> FrozenSet[Any]:
+    """Code of the methods through which a module reads its own weights and never writes them: reads
+    from there get the cached value as it is; any other reader's may be written (the write rule)."""
+    codes = set()
+    for cls in base.__mro__:
+        for attr in _OWN_METHODS:
+            fn = cls.__dict__.get(attr)
+            code = getattr(fn, "__code__", None)
+            if code is not None:
+                codes.add(code)
+    return frozenset(codes)
+
+
+def _pruned_cls(obj: Any) -> type:
+    """The pruned class in ``type(obj)``'s MRO (a subclass of it may wrap it, e.g. torch's parametrize)."""
+    for cls in type(obj).__mro__:
+        if "_prunekit_base" in cls.__dict__:
+            return cls
+    return type(obj)  # pragma: no cover - only pruned classes get these methods
+
+
+def _setattr(self: nn.Module, key: str, value: Any) -> None:
+    if key in pruned_names(self):
+        assign(self, key, value)  # before nn.Module.__setattr__, which refuses a Parameter there
+    else:
+        super(_pruned_cls(self), self).__setattr__(key, value)
+
+
+def _getattr(self: nn.Module, key: str) -> Any:
+    # only reached for parameters, buffers and submodules (nn.Module keeps them out of __dict__)
+    if key.endswith("_orig") and key[:-5] in pruned_names(self):
+        sync(self)
+    return super(_pruned_cls(self), self).__getattr__(key)
+
+
+def _save_to_state_dict(self: nn.Module, destination: Any, prefix: str, keep_vars: bool) -> None:
+    sync(self)
+    super(_pruned_cls(self), self)._save_to_state_dict(destination, prefix, keep_vars)
+
+
+def _load_from_state_dict(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+    drop_cache(self)  # what is loaded replaces any pending write through a pruned name
+    super(_pruned_cls(self), self)._load_from_state_dict(*args, **kwargs)
+
+
+def _prepare_scriptable(self: nn.Module) -> nn.Module:
+    raise TypeError(
+        f"torch.jit.script cannot compile {describe(self)}: its pruned tensors {sorted(pruned_names(self))} "
+        "are properties (name_orig * name_mask), which TorchScript does not support. Use torch.jit.trace "
+        "or torch.export instead, or make the pruning permanent first with prunekit.remove(module, name) "
+        "for each pruned tensor"
+    )
 
 
 def _set_names(module: nn.Module, names: FrozenSet[str]) -> None:
@@ -167,6 +266,7 @@ def _reduce_ex(self: nn.Module, protocol: int):
     # Pickle / deepcopy: rebuild from the original class, then restore the
     # state. The inference cache is derived data and is not copied; an RNN's
     # _flat_weights (which may hold products with a grad_fn) are rebuilt on load.
+    sync(self)
     state = dict(self.__dict__)
     state.pop(_CACHE, None)
     if isinstance(state.get("_flat_weights"), list):
@@ -208,14 +308,19 @@ def _rebuild(base: type, names: Tuple[str, ...]) -> nn.Module:
 
 # ------------------------------------------------------- the masked property
 class _CacheEntry:
-    __slots__ = ("orig", "orig_version", "orig_ptr", "mask", "mask_version", "mask_ptr", "value")
+    """A value of ``name`` computed from (``orig``, ``mask``) at known versions, and whether it was handed out."""
+
+    __slots__ = ("orig", "orig_version", "orig_ptr", "mask", "mask_version", "mask_ptr", "value",
+                 "value_version", "value_ptr", "exposed")
 
     def __init__(self, orig: Tensor, mask: Tensor, value: Tensor, b: Backend) -> None:
         self.orig, self.orig_version, self.orig_ptr = weakref.ref(orig), b.version(orig), orig.data_ptr()
         self.mask, self.mask_version, self.mask_ptr = weakref.ref(mask), b.version(mask), mask.data_ptr()
-        self.value = value
+        self.value, self.value_version, self.value_ptr = value, b.version(value), value.data_ptr()
+        self.exposed = False
 
     def fresh(self, orig: Tensor, mask: Tensor) -> bool:
+        """``orig`` and ``mask`` are the ones it was computed from, unchanged since."""
         # a tensor without a version counter (None) can change unseen: never reuse then
         return (
             self.orig() is orig
@@ -227,6 +332,23 @@ class _CacheEntry:
             and orig.data_ptr() == self.orig_ptr
             and mask.data_ptr() == self.mask_ptr
         )
+
+    def written(self) -> bool:
+        """The handed-out value may have been written: in place (its version), by ``.data = x``
+        (its storage), or -- exposed to code outside the module's own forward -- through a ``.data``
+        alias, which shares no version counter (compare values to know)."""
+        v = self.value
+        return self.exposed or v._version != self.value_version or v.data_ptr() != self.value_ptr
+
+    def still_held(self) -> bool:
+        """Someone besides this entry holds the value, a view or a ``.data`` alias of it."""
+        v = self.value
+        if sys.getrefcount(v) > 3:  # the entry, the local name, getrefcount's argument
+            return True
+        try:
+            return torch._C._storage_Use_Count(v.untyped_storage()._cdata) > 2
+        except Exception:  # noqa: BLE001 - not a plain CPU/CUDA tensor: assume held
+            return True
 
 
 def masked_product(orig: Tensor, mask: Tensor) -> Tensor:
@@ -424,23 +546,116 @@ def owner_of(model: nn.Module, path: str) -> Tuple[nn.Module, str]:
     return (model.get_submodule(prefix) if prefix else model), leaf
 
 
-def _masked_value(module: nn.Module, name: str, orig: Tensor, mask: Tensor, b: Backend = TORCH) -> Tensor:
-    if b.is_grad_enabled() and (orig.requires_grad or mask.requires_grad):
-        return masked_product(orig, mask)
+def _masked_value(module: nn.Module, name: str, orig: Tensor, mask: Tensor, b: Backend = TORCH,
+                  own: bool = True) -> Tensor:
+    """The value of ``name`` for a reader; ``own`` when the reader is the module's own forward."""
+    if b is TORCH and (torch.jit.is_tracing() or _is_compiling()):
+        return masked_product(orig, mask)  # in a traced graph: the product itself, never a cached constant
     cache = module.__dict__.get(_CACHE)
     if cache is None:
         cache = module.__dict__[_CACHE] = {}
+    if cache:
+        _sync_name(module, name, cache, orig, mask, b)
+    if b.is_grad_enabled() and (orig.requires_grad or mask.requires_grad):
+        value = masked_product(orig, mask)
+        if not own:  # handed out with gradients: a write into it is seen at the next access too
+            entry = cache[(name, "grad")] = _CacheEntry(orig, mask, value, b)
+            entry.exposed = True
+        return value
     entry = cache.get(name)
-    if entry is not None and entry.fresh(orig, mask):
-        return entry.value
-    if b.is_inference_mode_enabled():
-        # cache a normal tensor, usable outside inference mode too
-        with b.inference_mode(False):
+    if entry is None or not entry.fresh(orig, mask):
+        if b.is_inference_mode_enabled():
+            # cache a normal tensor, usable outside inference mode too
+            with b.inference_mode(False):
+                value = masked(orig, mask)
+        else:
             value = masked(orig, mask)
+        entry = cache[name] = _CacheEntry(orig, mask, value, b)
+    if not own:
+        entry.exposed = True
+    return entry.value
+
+
+def _is_compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling())
+
+
+def _sync_name(module: nn.Module, name: str, cache: Dict[Any, Any], orig: Tensor, mask: Tensor, b: Backend) -> None:
+    """Carry writes made through handed-out values of ``name`` into ``name_orig`` (the write rule)."""
+    for key in (name, (name, "grad")):
+        entry = cache.get(key)
+        if entry is None or not entry.written():
+            continue
+        if not entry.fresh(orig, mask):
+            # name_orig or the mask changed too since the value was handed out: whose write wins is
+            # undefined, so the direct change to name_orig/mask is kept and this one dropped
+            v = entry.value
+            if v._version != entry.value_version or v.data_ptr() != entry.value_ptr:
+                logger.warning("%s: a write through %r and a change of %s_orig/%s_mask met before the next "
+                               "use; the write through %r is dropped", type(module).__name__, name, name, name, name)
+            del cache[key]
+        elif _write_through(module, name, entry.value, orig, mask, b) or (key != name and not entry.still_held()):
+            del cache[key]  # name_orig changed: recomputed at the next read (or nothing left to watch)
+        else:  # the same values: keep serving it, watched while someone else holds it
+            entry.exposed = entry.still_held()
+            entry.value_version, entry.value_ptr = entry.value._version, entry.value.data_ptr()
+
+
+def _differs(value: Tensor, reference: Tensor, mask: Tensor, b: Backend) -> Tensor:
+    """Unpruned entries where ``value`` differs from ``reference`` bit for bit (NaN payloads, -0.0)."""
+    keep = mask if mask.dtype == b.bool else mask != 0
+    if value.shape != reference.shape or value.dtype != reference.dtype:
+        return keep.clone()
+    if value.is_floating_point() and value.element_size() in (2, 4, 8):
+        as_int = {2: b.int16, 4: b.int32, 8: b.int64}[value.element_size()]
+        diff = value.contiguous().view(as_int) != reference.contiguous().view(as_int)
     else:
-        value = masked(orig, mask)
-    cache[name] = _CacheEntry(orig, mask, value, b)
-    return value
+        diff = value != reference
+    return diff & keep
+
+
+def _write_through(module: nn.Module, name: str, value: Tensor, orig: Tensor, mask: Tensor, b: Backend) -> bool:
+    """``name_orig`` takes ``value`` at every unpruned entry where the two differ (divided by a mask
+    value other than 1); pruned entries of ``name_orig`` keep what they held."""
+    with b.no_grad():
+        if value.shape != orig.shape:
+            logger.warning("%s: %r was given a tensor of shape %s through .data; %s_orig has shape %s: "
+                           "the write is dropped", type(module).__name__, name, tuple(value.shape), name, tuple(orig.shape))
+            return True
+        value = value.to(orig.dtype) if value.dtype != orig.dtype else value
+        diff = _differs(value, masked(orig, mask), mask, b)
+        if not bool(diff.any()):
+            return False
+        new = value[diff]
+        if mask.dtype != b.bool:
+            m = mask[diff].to(new.dtype)
+            new = b.ns.where(m == 1, new, new / m) if new.is_floating_point() else new
+        orig.detach()[diff] = new
+        return True
+
+
+def sync(module: nn.Module) -> None:
+    """Carry every pending write through a pruned name of ``module`` into its ``name_orig``.
+
+    Reading ``name``, ``name_orig`` or the state dict, pruning, ``remove``,
+    copying and pickling call it; call it yourself before reading
+    ``name_orig`` through ``parameters()`` right after writing through ``name``.
+
+    Example:
+        >>> import torch, prunekit
+        >>> m = prunekit.custom_from_mask(torch.nn.Linear(2, 1, bias=False), "weight", torch.tensor([[1, 0]]))
+        >>> with torch.no_grad():
+        ...     _ = m.weight.data.copy_(torch.tensor([[5.0, 7.0]]))
+        >>> sync(m); m.weight_orig[0, 0].item(), effective(m, "weight").tolist()
+        (5.0, [[5.0, 0.0]])
+    """
+    cache = module.__dict__.get(_CACHE)
+    if not cache:
+        return
+    b = backend_of(module) or TORCH
+    for name in pruned_names(module):
+        _sync_name(module, name, cache, module._parameters[name + "_orig"], module._buffers[name + "_mask"], b)
 
 
 def _masked_property(name: str, b: Backend = TORCH) -> property:
@@ -449,21 +664,42 @@ def _masked_property(name: str, b: Backend = TORCH) -> property:
     plain = _sharded.PLAIN_TYPES
 
     def fget(self: nn.Module) -> Tensor:
-        orig, mask = self._parameters[orig_key], self._buffers[mask_key]
+        orig, mask = self._parameters.get(orig_key), self._buffers[mask_key]
+        if orig is None:  # name_orig is parametrized (torch.nn.utils.parametrize): its computed value
+            return masked_product(getattr(self, orig_key), mask)
         if type(mask) not in plain or type(orig) not in plain:
             sharded = _sharded.handler_for(orig, mask)
             if sharded is not None:  # DTensor shards: prunekit.distributed computes it
                 return sharded.value(self, name, orig, mask)
-        return _masked_value(self, name, orig, mask, b)
+        own = sys._getframe(1).f_code in type(self).__dict__["_prunekit_own_code"]
+        return _masked_value(self, name, orig, mask, b, own)
 
     def fset(self: nn.Module, value: Any) -> None:
-        raise AttributeError(
-            f"{describe(self, name)} is pruned: it is computed as {orig_key} * {mask_key}. "
-            f"Write into module.{orig_key} (e.g. `with {b.name}.no_grad(): module.{orig_key}.copy_(value)`) "
-            f"or call prunekit.remove(module, {name!r}) first"
-        )
+        if b is not TORCH:
+            raise AttributeError(
+                f"{describe(self, name)} is pruned: it is computed as {orig_key} * {mask_key}. "
+                f"Write into module.{orig_key} (e.g. `with {b.name}.no_grad(): module.{orig_key}.copy_(value)`) "
+                f"or call prunekit.remove(module, {name!r}) first"
+            )
+        assign(self, name, value)
 
     return property(fget, fset, doc=f"``{orig_key} * {mask_key}`` (pruned by prunekit)")
+
+
+def assign(module: nn.Module, name: str, value: Any) -> None:
+    """``module.name = value`` for a pruned ``name``: the write rule (values into ``name_orig``'s
+    unpruned entries, the mask still applies; ``name_orig`` stays the same Parameter)."""
+    b = backend_of(module) or TORCH
+    orig, mask = module._parameters[name + "_orig"], module._buffers[name + "_mask"]
+    if not is_tensor(value) or tuple(value.shape) != tuple(orig.shape):
+        got = f"shape {tuple(value.shape)}" if is_tensor(value) else type(value).__name__
+        raise TypeError(
+            f"{describe(module, name)} is pruned (computed as {name}_orig * {name}_mask); assigning sets the "
+            f"unpruned entries of {name}_orig and needs a tensor of shape {tuple(orig.shape)}, got {got}. "
+            f"To replace the tensor itself, call prunekit.remove(module, {name!r}) first"
+        )
+    sync(module)
+    _write_through(module, name, value.detach(), orig, mask, b)
 
 
 def current_value(module: nn.Module, name: str) -> Tensor:
@@ -515,6 +751,7 @@ def check_prunable(module: Any, name: Any) -> Tuple[Tensor, bool]:
     if not isinstance(name, str):
         raise TypeError(f"{describe(module)}: the tensor name must be a str such as 'weight', got {name!r}")
     if name in pruned_names(module):
+        sync(module)
         return module._parameters[name + "_orig"], True
     for suffix, role in (("_orig", "the stored tensor"), ("_mask", "the mask")):
         base = name[: -len(suffix)]
@@ -524,6 +761,13 @@ def check_prunable(module: Any, name: Any) -> Tuple[Tensor, bool]:
                 f"prune {base!r} itself (e.g. prunekit.l1_unstructured(module, {base!r}, amount)): a new method "
                 f"acts on what is still unpruned. To change {name} directly, write into it under torch.no_grad()"
             )
+    if isinstance(module, nn.Module) and torch.nn.utils.parametrize.is_parametrized(module, name):
+        raise ValueError(
+            f"{describe(module)}.{name} is parametrized (torch.nn.utils.parametrize: {name} is computed from "
+            f"module.parametrizations.{name}.original); prune the stored tensor with "
+            f"prunekit.l1_unstructured(module.parametrizations.{name}, 'original', amount), or call "
+            f"torch.nn.utils.parametrize.remove_parametrizations(module, {name!r}) first"
+        )
     if _torch_pruned(module, name):
         raise ValueError(
             f"{describe(module)}.{name} is pruned by torch.nn.utils.prune; call "
@@ -664,6 +908,7 @@ def _transaction(module: nn.Module, name: str, bake: bool, drop: Any) -> Any:
 
     Only the entries the bake changes (mask != 1) are kept aside, not the whole tensor.
     """
+    sync(module)
     orig, mask = module._parameters[name + "_orig"], module._buffers[name + "_mask"]
     b = backend_of(orig) or TORCH
     snapshot = Snapshot(module)
