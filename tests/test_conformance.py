@@ -271,3 +271,42 @@ def test_remove_like_torch(framework):
     assert list(a.named_buffers()) == [] and not prune.is_pruned(a)
     with pytest.raises(ValueError, match="has to be pruned"):
         prune.remove(a, "weight")
+
+
+# ------------------------------------------- faults found by torch's own test/nn/test_pruning.py
+@pytest.mark.parametrize("method", [tprune.L1Unstructured(amount=2), tprune.LnStructured(amount=1, n=2, dim=0),
+                                    tprune.RandomUnstructured(amount=1)], ids=lambda m: type(m).__name__)
+def test_container_compute_mask_has_the_tensors_dtype_with_an_integer_default_mask(method):
+    """torch's PruningContainer gives ``t``'s dtype; prunekit's L1 fast path returned the mask's (int64)."""
+    t = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
+    default_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 1]])
+    ours = getattr(prune, type(method).__name__)(**{k: v for k, v in vars(method).items() if not k.startswith("_")})
+    results = []
+    for lib, m in ((tprune, method), (prune, ours)):
+        container = lib.PruningContainer()
+        container._tensor_name = m._tensor_name = "test"
+        container.add_pruning_method(m)
+        torch.manual_seed(0)
+        results.append(container.compute_mask(t, default_mask))
+    assert results[1].dtype == results[0].dtype == torch.float32
+    assert torch.equal(results[1], results[0])
+    assert default_mask.dtype == torch.int64 and int(default_mask.sum()) == 6  # the input is not touched
+
+
+def test_rnn_flat_weights_follow_the_pruned_tensor_at_once():
+    """``nn.LSTM`` computes from ``_flat_weights``; after pruning it must hold the pruned value (torch: set by
+    the hook's setattr), and after ``remove`` the Parameter again -- not the unpruned Parameter until a forward."""
+    torch.manual_seed(0)
+    a = nn.LSTM(8, 8)
+    b = copy.deepcopy(a)
+    prune.l1_unstructured(a, "weight_ih_l0", 0.5)
+    tprune.l1_unstructured(b, "weight_ih_l0", 0.5)
+    assert sum(isinstance(p, nn.Parameter) for p in a._flat_weights) == 3
+    assert torch.equal(a._flat_weights[0], b._flat_weights[0])
+    x = torch.randn(3, 2, 8)
+    with torch.no_grad():
+        assert torch.equal(a(x)[0], b(x)[0])
+    assert torch.equal(copy.deepcopy(a)(x)[0], a(x)[0])  # also after a forward with gradients
+    prune.remove(a, "weight_ih_l0")
+    assert sum(isinstance(p, nn.Parameter) for p in a._flat_weights) == 4
+    assert a._flat_weights[0] is a.weight_ih_l0

@@ -100,6 +100,12 @@ def _pruner(config):
     return call
 
 
+def bool_param(fw):
+    m = fw.nn.Linear(4, 3)
+    m.weight = fw.nn.Parameter(fw.tensor(torch.arange(12).view(3, 4) % 3 == 0), requires_grad=False)
+    return m
+
+
 # (label, module factory, call, error type, words the message must contain)
 CASES = [
     ("amount is a string", linear, lambda m, fw: prune.l1_unstructured(m, "weight", "0.3"), TypeError, ["Linear", "weight", "'0.3'"]),
@@ -155,6 +161,10 @@ CASES = [
     ("training: second entry matches nothing", mlp, _prepare({"pruners": [{"names": ["^0$"]}, {"names": ["^3$"]}]}), ValueError, ["pruners[1]", "names=['^3$']", "['0', '2']"]),
     ("training: Pruner on a model, nothing selected", mlp, _pruner({"names": ["nomatch"]}), ValueError, ["names=['nomatch']", "['0', '2']"]),
     ("training: unreachable target after masking", pruned_mlp, _prepare({"target_sparsity": 0.99, "max_sparsity_ratio_per_layer": 0.5}), ValueError, ["target_sparsity=0.99", "max_sparsity_ratio_per_layer=0.5"]),
+    ("the stored tensor of a pruned one", pruned_linear, lambda m, fw: prune.l1_unstructured(m, "weight_orig", 0.5), ValueError, ["Linear", "weight_orig", "stored tensor", "prune 'weight' itself"]),
+    ("the mask of a pruned tensor", pruned_linear, lambda m, fw: prune.random_unstructured(m, "weight_mask", 1), ValueError, ["Linear", "weight_mask", "the mask", "'weight'"]),
+    ("global: the stored tensor of a pruned one", pruned_linear, lambda m, fw: prune.global_unstructured([(m, "bias"), (m, "weight_orig")], prune.L1Unstructured, amount=0.5), ValueError, ["Linear", "weight_orig", "stored tensor"]),
+    ("bool weights by magnitude", bool_param, lambda m, fw: prune.l1_unstructured(m, "weight", 2), TypeError, ["Linear", "weight", "bool", "importance_scores"]),
     ("global: NaN in one tensor", with_nan, lambda m, fw: prune.global_unstructured([(m, "bias"), (m, "weight")], prune.L1Unstructured, amount=0.5), ValueError, ["Linear", "weight", "NaN"]),
 ]
 
@@ -223,3 +233,32 @@ def test_global_failure_on_a_later_tensor_rolls_back_the_earlier_ones(framework,
     with pytest.raises(RuntimeError, match="second tensor fails"):
         prune.global_unstructured([(model[0], "weight"), (model[1], "weight")], prune.L1Unstructured, amount=0.5)
     same(before, state(model))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
+@pytest.mark.parametrize("method", ["random_unstructured", "random_structured", "ln_structured", "custom_from_mask",
+                                    "identity", "l1_unstructured"])
+def test_integer_and_bool_weights_keep_their_dtype(dtype, method):
+    """As torch: the mask and the pruned tensor have the weight's dtype (torch fails on some: we work or refuse)."""
+    m = nn.Linear(4, 3)
+    w = torch.arange(12).view(3, 4) % 3 == 0 if dtype == torch.bool else (torch.arange(12).view(3, 4) + 1).to(dtype)
+    m.weight = nn.Parameter(w, requires_grad=False)
+    call = {
+        "random_unstructured": lambda: prune.random_unstructured(m, "weight", 3),
+        "random_structured": lambda: prune.random_structured(m, "weight", 1, dim=0),
+        "ln_structured": lambda: prune.ln_structured(m, "weight", 1, n=1, dim=0),
+        "custom_from_mask": lambda: prune.custom_from_mask(m, "weight", torch.tensor([[1, 0, 1, 0]] * 3)),
+        "identity": lambda: prune.identity(m, "weight"),
+        "l1_unstructured": lambda: prune.l1_unstructured(m, "weight", 3),
+    }[method]
+    if dtype == torch.bool and method == "l1_unstructured":
+        with pytest.raises(TypeError, match="magnitude ranking needs real numbers"):
+            call()
+        assert not prune.is_pruned(m)
+        return
+    call()
+    assert m.weight_mask.dtype == dtype and m.weight.dtype == dtype
+    kept = m.weight_mask != 0
+    assert torch.equal(m.weight, torch.where(kept, w, torch.zeros((), dtype=dtype)))
+    prune.remove(m, "weight")
+    assert m.weight.dtype == dtype

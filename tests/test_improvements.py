@@ -346,32 +346,43 @@ def test_bytes_held_after_pruning_against_torch():
 # -------------------------------------------------------------- inference
 def test_no_grad_forward_reuses_the_product(monkeypatch):
     calls = []
-    real = reparam.masked_product
-    monkeypatch.setattr(reparam, "masked_product", lambda o, m: calls.append(1) or real(o, m))
+    real, real_masked = reparam.masked_product, reparam.masked
+    monkeypatch.setattr(reparam, "masked_product", lambda o, m: calls.append(1) or real(o, m))  # with grad
+    monkeypatch.setattr(reparam, "masked", lambda o, m, **k: calls.append(1) or real_masked(o, m, **k))  # no grad
     m = nn.Linear(16, 8)
     prune.l1_unstructured(m, "weight", 0.5)
     x = torch.randn(2, 16)
     with torch.no_grad():
         y1 = m(x)
-        first = m.weight
         for _ in range(5):
             assert torch.equal(m(x), y1)
+        assert len(calls) == 1
+        # a reader outside the module's forward may write into what it gets (the write rule): while it
+        # holds it, each later read checks it (one comparison with a fresh product), then serves it again
+        first = m.weight
         assert m.weight is first
-    assert len(calls) == 1
-    with torch.inference_mode():
+        del first
+        calls.clear()
+        m(x)  # the last check: nobody holds it any more
+        m(x)
         m(x)
     assert len(calls) == 1
+    calls.clear()
+    with torch.inference_mode():
+        m(x)
+    assert len(calls) == 0
+    calls.append(1)
     # an in-place change of the mask or of the weights is seen at once
     with torch.no_grad():
         m.weight_mask[0].zero_()
         assert torch.all(m(x)[:, 0] == m.bias[0])
         m.weight_orig.mul_(2)
         assert torch.equal(m.weight, m.weight_orig * m.weight_mask)
-    assert len(calls) == 3
+    assert len(calls) == 4  # the mask change, the weight change, and the check of the value handed out
     # with gradients on, every forward builds a fresh product
+    m(x)  # (and checks, once, the value the test read above: one more comparison)
     m(x)
-    m(x)
-    assert len(calls) == 5
+    assert len(calls) == 7
 
 
 def test_training_gradients_reach_orig_and_are_zero_where_masked():

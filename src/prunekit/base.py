@@ -1,14 +1,24 @@
-"""``BasePruningMethod``: the contract every pruning method fulfils, and ``apply``.
+"""``BasePruningMethod``, ``PruningContainer`` and ``apply``: the contract of a pruning method.
 
 A method computes a mask (``compute_mask``); ``apply`` validates everything
 first, computes the new mask without touching the module, and only then
 installs it through :mod:`prunekit.reparam`. If anything fails, the module is
 restored exactly (parameters, buffers, hooks, class).
+
+Successive prunings of one tensor compose into one ``PruningContainer`` hook.
+A new method acts only on what is still unpruned: for ``'unstructured'``
+methods the entries whose mask is 1, for ``'structured'`` methods the
+channels that still have a non-zero entry, for ``'global'`` methods all of
+the tensor. A float amount is therefore a fraction of what remains, and the
+mask only ever loses ones -- the semantics of ``torch.nn.utils.prune``.
+(The container lives here, beside ``apply``, which composes methods into it;
+:mod:`prunekit.container` re-exports it.)
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
@@ -18,11 +28,12 @@ from . import _sharded, reparam
 from ._backend import TORCH, backend_of, is_tensor, same_backend
 from .errors import PruningError
 
-__all__ = ["BasePruningMethod", "resolve_mask_dtype"]
+__all__ = ["BasePruningMethod", "PruningContainer", "combine_masks", "resolve_mask_dtype"]
 
 
 def resolve_mask_dtype(mask_dtype: Optional[Any], orig: Tensor, existing: Optional[Tensor]) -> Any:
-    """The dtype of the stored mask: explicit, else the existing mask's, else the weight's (as torch).
+    """The dtype of the stored mask: explicit, else the existing mask's, else the weight's (as torch,
+    integer and bool weights included: the pruned tensor keeps the weight's dtype).
 
     For a TensorPlay weight a torch dtype (``torch.bool``) is taken as the
     TensorPlay dtype of the same name.
@@ -36,7 +47,7 @@ def resolve_mask_dtype(mask_dtype: Optional[Any], orig: Tensor, existing: Option
         return b.as_dtype(mask_dtype)
     if existing is not None:
         return existing.dtype
-    return orig.dtype if (orig.is_floating_point() or orig.is_complex()) else b.ns.get_default_dtype()
+    return orig.dtype  # integer and bool weights keep their dtype, as torch does
 
 
 def lazy_ones(like: Tensor) -> Tensor:
@@ -183,11 +194,11 @@ class BasePruningMethod(ABC):
                 old.add_pruning_method(method)
             if sharded is not None:
                 sharded.installed(module, name)
+            method._release()
+            return hook
         except BaseException:
             snapshot.restore()
             raise
-        method._release()
-        return hook
 
     def _release(self) -> None:
         """Drop tensors the method no longer needs once its mask is stored (none by default)."""
@@ -197,9 +208,97 @@ class BasePruningMethod(ABC):
         return None
 
 
-def _compose(old: Optional[BasePruningMethod], method: BasePruningMethod) -> BasePruningMethod:
-    from .container import PruningContainer
+class PruningContainer(BasePruningMethod):
+    """Container holding a sequence of pruning methods for iterative pruning.
 
+    Example:
+        >>> import torch, prunekit
+        >>> m = torch.nn.Linear(4, 3)
+        >>> _ = prunekit.l1_unstructured(m, "weight", amount=0.5)
+        >>> hook = prunekit.ln_structured(m, "weight", amount=1, n=2, dim=0)._forward_pre_hooks
+        >>> container = next(iter(hook.values()))
+        >>> [type(h).__name__ for h in container]
+        ['L1Unstructured', 'LnStructured']
+    """
+
+    def __init__(self, *args: Any) -> None:
+        self._pruning_methods: tuple = tuple()
+        if not isinstance(args, Iterable):  # kept for parity with torch
+            self._tensor_name = args._tensor_name
+            self.add_pruning_method(args)
+        elif len(args) == 1:
+            self._tensor_name = args[0]._tensor_name
+            self.add_pruning_method(args[0])
+        else:
+            for method in args:
+                self.add_pruning_method(method)
+
+    def add_pruning_method(self, method: Any) -> None:
+        """Append ``method`` (a ``BasePruningMethod`` for the same tensor) to the container."""
+        if not isinstance(method, BasePruningMethod) and method is not None:
+            raise TypeError(f"{type(method).__name__} is not a BasePruningMethod subclass")
+        elif method is not None and self._tensor_name != method._tensor_name:
+            raise ValueError(
+                "Can only add pruning methods acting on the parameter named "
+                f"'{self._tensor_name}' to PruningContainer {self}. Found '{method._tensor_name}'"
+            )
+        self._pruning_methods += (method,)
+
+    def __len__(self) -> int:
+        return len(self._pruning_methods)
+
+    def __iter__(self):
+        return iter(self._pruning_methods)
+
+    def __getitem__(self, idx: int) -> BasePruningMethod:
+        return self._pruning_methods[idx]
+
+    def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+        """Apply the latest method to the still-unpruned part of ``t`` and combine with ``default_mask``."""
+        return combine_masks(self._pruning_methods[-1], t, default_mask)
+
+
+def combine_masks(method: BasePruningMethod, t: Tensor, mask: Tensor) -> Tensor:
+    """New mask from ``method`` computed on the unpruned part of ``t``, combined with ``mask``.
+
+    Example:
+        >>> import torch, prunekit
+        >>> mask = torch.tensor([1.0, 0.0, 1.0, 1.0])
+        >>> combine_masks(prunekit.L1Unstructured(amount=1), torch.tensor([5.0, 0.1, 3.0, 4.0]), mask).tolist()
+        [1.0, 0.0, 0.0, 1.0]
+    """
+    # the result has t's dtype whatever the dtype of mask (an integer default_mask
+    # included), as torch's PruningContainer gives
+    fast = method._combine_fast(t, mask)
+    if fast is not None:
+        return fast if fast.dtype == t.dtype else fast.to(t.dtype)
+    new_mask = mask.to(dtype=t.dtype)
+    if new_mask is mask:
+        new_mask = mask.clone()
+    if method.PRUNING_TYPE == "unstructured":
+        slc: Any = mask == 1
+    elif method.PRUNING_TYPE == "structured":
+        if not hasattr(method, "dim"):
+            raise AttributeError('Pruning methods of PRUNING_TYPE "structured" need to have the attribute `dim` defined.')
+        n_dims = t.dim()
+        dim = method.dim
+        if not -n_dims <= dim < n_dims:
+            raise IndexError(f"dim={dim} is out of range for a tensor with {n_dims} dims (shape {tuple(t.shape)})")
+        dim %= n_dims
+        keep_channel = mask.sum(dim=[d for d in range(n_dims) if d != dim]) != 0
+        slc = [slice(None)] * n_dims
+        slc[dim] = keep_channel
+        slc = tuple(slc)
+    elif method.PRUNING_TYPE == "global":
+        slc = tuple([slice(None)] * t.dim())
+    else:
+        raise ValueError(f"Unrecognized PRUNING_TYPE {method.PRUNING_TYPE!r}; use 'unstructured', 'structured' or 'global'")
+    partial_mask = method.compute_mask(t[slc], default_mask=mask[slc])
+    new_mask[slc] = partial_mask.to(dtype=new_mask.dtype)
+    return new_mask
+
+
+def _compose(old: Optional[BasePruningMethod], method: BasePruningMethod) -> BasePruningMethod:
     if old is None:
         return method
     if isinstance(old, PruningContainer):
@@ -218,8 +317,6 @@ def _compute(
     existing: Optional[Tensor],
     importance_scores: Optional[Tensor],
 ) -> Tensor:
-    from .container import combine_masks
-
     b = backend_of(orig) or TORCH
     if importance_scores is not None:
         if not is_tensor(importance_scores):
@@ -236,8 +333,8 @@ def _compute(
         scores = importance_scores if importance_scores is not None else orig.detach()
         default = lazy_ones(orig) if method._lazy_default_ok else b.ones_like(orig)
         return method.compute_mask(scores, default_mask=default)
-    float_dtype = orig.dtype if orig.is_floating_point() else b.ns.get_default_dtype()
-    default = existing.to(dtype=float_dtype, memory_format=b.contiguous_format, copy=True)
+    work_dtype = orig.dtype if orig.dtype != b.bool else b.ns.get_default_dtype()
+    default = existing.to(dtype=work_dtype, memory_format=b.contiguous_format, copy=True)
     if importance_scores is not None:
         scores = importance_scores
     elif method.PRUNING_TYPE == "unstructured":

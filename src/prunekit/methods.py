@@ -129,7 +129,13 @@ class RandomUnstructured(BasePruningMethod):
         b = backend_of(t) or TORCH
         mask = default_mask.clone(memory_format=b.contiguous_format)
         if nparams_toprune != 0:
-            prob = b.ns.rand_like(t) if b is not TORCH else torch.rand_like(t, memory_format=torch.contiguous_format)
+            if not (t.is_floating_point() or t.is_complex()):
+                # integer and bool tensors: float32 draws (torch's rand_like refuses their dtype)
+                prob = b.ns.rand(tuple(t.shape)) if b is not TORCH else torch.rand(t.shape, device=t.device)
+            elif b is not TORCH:
+                prob = b.ns.rand_like(t)
+            else:
+                prob = torch.rand_like(t, memory_format=torch.contiguous_format)
             indices = b.topk(prob.reshape(-1), k=nparams_toprune)[1]
             mask.view(-1)[indices] = 0
         return mask
@@ -280,6 +286,7 @@ class CustomFromMask(BasePruningMethod):
 
 
 # ------------------------------------------------------------ functional API
+@reparam.atomic
 def identity(module: nn.Module, name: str, *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Reparameterize ``name`` with a mask of ones (prunes nothing).
 
@@ -293,6 +300,7 @@ def identity(module: nn.Module, name: str, *, mask_dtype: Optional[torch.dtype] 
     return module
 
 
+@reparam.atomic
 def random_unstructured(module: nn.Module, name: str, amount: Amount, *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Prune ``amount`` of the currently unpruned entries of ``name`` at random.
 
@@ -306,6 +314,7 @@ def random_unstructured(module: nn.Module, name: str, amount: Amount, *, mask_dt
     return module
 
 
+@reparam.atomic
 def l1_unstructured(module: nn.Module, name: str, amount: Amount, importance_scores: Optional[Tensor] = None,
                     *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Prune ``amount`` of the currently unpruned entries of ``name`` with the smallest |value| (or importance).
@@ -323,6 +332,7 @@ def l1_unstructured(module: nn.Module, name: str, amount: Amount, importance_sco
     return module
 
 
+@reparam.atomic
 def random_structured(module: nn.Module, name: str, amount: Amount, dim: int,
                       *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Prune ``amount`` of the currently unpruned channels of ``name`` along ``dim`` at random.
@@ -337,6 +347,7 @@ def random_structured(module: nn.Module, name: str, amount: Amount, dim: int,
     return module
 
 
+@reparam.atomic
 def ln_structured(module: nn.Module, name: str, amount: Amount, n: NormOrder, dim: int,
                   importance_scores: Optional[Tensor] = None, *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Prune ``amount`` of the currently unpruned channels of ``name`` along ``dim`` with the lowest L``n`` norm.
@@ -351,6 +362,7 @@ def ln_structured(module: nn.Module, name: str, amount: Amount, n: NormOrder, di
     return module
 
 
+@reparam.atomic
 def custom_from_mask(module: nn.Module, name: str, mask: Tensor, *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Prune ``name`` with a mask you computed (combined with any earlier mask).
 
@@ -375,3 +387,10 @@ def remove(module: nn.Module, name: str) -> nn.Module:
         (4, False)
     """
     return reparam.remove(module, name)
+
+
+def _install_mask(module: nn.Module, name: str, mask: Tensor, *, mask_dtype: Optional[torch.dtype] = None) -> None:
+    CustomFromMask.apply(module, name, mask, mask_dtype=mask_dtype)
+
+
+reparam._register_installer(_install_mask)

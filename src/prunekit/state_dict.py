@@ -9,7 +9,7 @@ model has ``x``. ``torch.nn.Module.load_state_dict`` refuses either direction.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Dict, Mapping, Union
+from typing import Any, Dict, List, Mapping, Tuple, Union
 
 from torch import Tensor, nn
 
@@ -45,10 +45,7 @@ def dense_state_dict(source: Union[nn.Module, Mapping[str, Tensor]]) -> "Ordered
     for key, value in sd.items():
         if key.endswith("_orig") and key[:-5] + "_mask" in sd:
             base = key[:-5]
-            mask = sd[base + "_mask"]
-            b = backend_of(value) or TORCH
-            with b.no_grad():
-                out[base] = (value * mask.to(value.dtype)).masked_fill_(mask == 0, 0) if mask.dtype != b.bool else value.masked_fill(~mask, 0)  # +0.0, as remove()
+            out[base] = reparam.masked(value.detach(), sd[base + "_mask"])  # the one definition, as remove()
         elif key.endswith("_mask") and key[:-5] + "_orig" in sd:
             continue
         else:
@@ -60,13 +57,17 @@ def load_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], strict: 
     """Load ``state_dict`` into ``model`` whether either side is pruned or dense.
 
     * pruned state dict (``x_orig``/``x_mask``) into a dense model: the model's
-      ``x`` is pruned with the saved mask (via ``custom_from_mask``) and loaded,
+      ``x`` is pruned with the saved mask (``reparam.apply_mask``) and loaded,
       so it comes back in the saved state, ready to keep training;
     * dense state dict (``x``) into a pruned model: ``x`` is loaded into
       ``x_orig`` and the model's mask is kept;
     * same form on both sides: a plain ``load_state_dict``.
 
-    On failure the model is left as it was. Returns what
+    All or nothing: on any failure (a key or shape that does not fit, a value
+    torch refuses to copy, ``KeyboardInterrupt``) the model is left exactly as
+    it was -- keys are checked before anything is copied, and the values about
+    to be overwritten are kept aside (one copy of them, freed on return) so
+    that a copy failing half-way is undone. Returns what
     ``nn.Module.load_state_dict`` returns.
 
     Example:
@@ -77,13 +78,12 @@ def load_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], strict: 
         >>> prunekit.is_pruned(dst), torch.equal(dst.weight, src.weight)
         (True, True)
     """
-    from .methods import custom_from_mask
-
     if not is_module(model):
         raise TypeError(f"load_state_dict() needs an nn.Module, got {type(model).__name__}")
     sd: Dict[str, Tensor] = dict(state_dict)
     modules = dict(model.named_modules())
     snapshots = []
+    saved: List[Tuple[Tensor, Tensor]] = []
     try:
         for key in list(sd):
             if not (key.endswith("_orig") and key[:-5] + "_mask" in sd):
@@ -95,7 +95,7 @@ def load_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], strict: 
             if name in module._parameters:
                 snapshots.append(reparam.Snapshot(module))
                 mask = sd[key[:-5] + "_mask"]
-                custom_from_mask(module, name, mask, mask_dtype=mask.dtype)
+                reparam.apply_mask(module, name, mask, mask_dtype=mask.dtype)
         for qual, module in modules.items():
             for name in reparam.pruned_names(module):
                 full = f"{qual}.{name}" if qual else name
@@ -103,8 +103,14 @@ def load_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], strict: 
                     sd[full + "_orig"] = sd.pop(full)
                     sd.setdefault(full + "_mask", module._buffers[name + "_mask"])
         _check_fits(model, sd, strict)
+        target = model.state_dict(keep_vars=True)
+        with (backend_of(model) or TORCH).no_grad():
+            saved = [(target[k], target[k].detach().clone()) for k in sd if k in target and is_tensor(target[k])]
         return model.load_state_dict(sd, strict=strict)
     except BaseException:
+        with (backend_of(model) or TORCH).no_grad():
+            for t, value in saved:
+                t.copy_(value)
         for snap in reversed(snapshots):
             snap.restore()
         raise

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .._backend import require_torch
-from . import _masks
+from .. import reparam
 from .dead import NonZero, unit_states, zero_units
 from .errors import CompactionError
 from .graph import DependencyGraph, build_dependency_graph, check_graph
@@ -45,7 +45,7 @@ _DESC_ATTR = "_prunekit_compaction"
 
 def _mask_summary(model: nn.Module) -> Tuple[int, int, int]:
     n, zeros, total = 0, 0, 0
-    for _, m, name in _masks.iter_masks(model):
+    for _, m, name in reparam.iter_masked(model):
         mask = getattr(m, name + "_mask")
         n += 1
         zeros += int((mask == 0).sum())
@@ -294,11 +294,11 @@ def rebuild_from_description(model: nn.Module, description: Dict[str, Any]) -> n
         cls_name = entry.get("class")
         if cls_name:
             new = REPLACEMENTS[cls_name](**entry["init"])
-            parent, leaf = _masks.owner_of(model, mname)
+            parent, leaf = reparam.owner_of(model, mname)
             setattr(parent, leaf, new)
             module = new
         for path, shape in entry.get("tensors", {}).items():
-            owner, leaf = _masks.owner_of(module, path)
+            owner, leaf = reparam.owner_of(module, path)
             old = getattr(owner, leaf)
             replace_tensor(owner, leaf, torch.zeros(shape, dtype=old.dtype, device=old.device))
         for path, value in entry.get("attrs", {}).items():
@@ -337,8 +337,8 @@ def load_compacted(model: nn.Module, state_dict: Dict[str, Tensor], description:
     rebuild_from_description(work, description)
     for key in list(state_dict):
         if key.endswith("_mask") and key[: -len("_mask")] + "_orig" in state_dict:
-            owner, leaf = _masks.owner_of(work, key[: -len("_mask")])
-            _masks.apply_mask(owner, leaf, state_dict[key])
+            owner, leaf = reparam.owner_of(work, key[: -len("_mask")])
+            reparam.apply_mask(owner, leaf, state_dict[key])
     work.load_state_dict(state_dict)
     # commit: one assignment each, so an interrupt leaves the old model or the new one
     if type(model) is not type(work):  # pragma: no cover - the root module is never replaced

@@ -12,7 +12,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch import Tensor
 
-from . import _masks
+from .. import reparam
 from .results import DependencyGraph, Group
 
 __all__ = ["NonZero", "unit_states", "zero_units"]
@@ -28,8 +28,8 @@ class NonZero:
     def __call__(self, mname: str, path: str, axis: int) -> Tensor:
         key = (mname, path, axis)
         if key not in self.cache:
-            owner, leaf = _masks.owner_of(self.graph.module(mname), path)
-            t = _masks.effective(owner, leaf)
+            owner, leaf = reparam.owner_of(self.graph.module(mname), path)
+            t = reparam.effective(owner, leaf)
             self.cache[key] = (t != 0).movedim(axis, 0).reshape(t.shape[axis], -1).any(dim=1)
         return self.cache[key]
 

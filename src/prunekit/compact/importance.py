@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..importance import Scorer, UnitFunctionScorer, get_scorer, list_scorers
-from . import _masks
+from .. import reparam
 from .graph import DependencyGraph, Group
 
 __all__ = ["group_importance", "IMPORTANCES", "as_group_scorer"]
@@ -58,7 +58,7 @@ def as_group_scorer(importance: Importance) -> Optional[Scorer]:
 
 
 def _grad(owner: torch.nn.Module, leaf: str, mname: str, path: str, name: str) -> Tensor:
-    grad = _masks.raw(owner, leaf).grad
+    grad = reparam.stored(owner, leaf).grad
     if grad is None:
         raise ValueError(
             f"importance={name!r} needs gradients: '{mname}.{path}' has no .grad; "
@@ -101,8 +101,8 @@ def group_importance(
         key = (mname, e.path, e.axis)
         per = cache.get(key)
         if per is None:
-            owner, leaf = _masks.owner_of(graph.module(mname), e.path)
-            t = _masks.effective(owner, leaf)
+            owner, leaf = reparam.owner_of(graph.module(mname), e.path)
+            t = reparam.effective(owner, leaf)
             grad = _grad(owner, leaf, mname, e.path, label) if scorer.needs_gradient else None
             per = scorer.unit_partial(t, e.axis, grad=grad)
             cache[key] = per

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from .._backend import require_torch
 from ..importance import Scorer
-from . import _masks
+from .. import reparam
 from .graph import DependencyGraph, Group, build_dependency_graph, check_graph
 from .importance import as_group_scorer, group_importance
 from .journal import atomic
@@ -133,11 +133,11 @@ def _write_masks(graph: DependencyGraph, decisions: List[GroupDecision]) -> None
             gone.setdefault((mname, e.path), {}).setdefault(e.axis, []).append(idx[removed[unit_of]])
     with atomic() as journal:  # a failure on the third tensor leaves the first two unmasked
         for (mname, path), axes in gone.items():
-            owner, leaf = _masks.owner_of(graph.module(mname), path)
-            mask = torch.ones_like(_masks.raw(owner, leaf).detach())
+            owner, leaf = reparam.owner_of(graph.module(mname), path)
+            mask = torch.ones_like(reparam.stored(owner, leaf).detach())
             for axis, parts in axes.items():
                 mask.index_fill_(axis, torch.cat(parts), 0)
             journal.module(owner)
-            _masks.apply_mask(owner, leaf, mask)
+            reparam.apply_mask(owner, leaf, mask)
     n_units = sum(len(d.removed) for d in decisions)
     logger.info("prune_groups: masked %d units in %d tensors", n_units, len(gone))

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import Tensor, nn
 
-from . import _masks
+from .. import reparam
 from .handlers import ModuleHandler
 from .journal import Journal
 
@@ -20,7 +20,7 @@ __all__ = ["replace_tensor", "set_attr", "shrink_module", "slice_tensor"]
 
 def set_attr(module: nn.Module, path: str, value: Any) -> None:
     """``setattr`` along a dotted path (``"query.in_features"``)."""
-    owner, leaf = _masks.owner_of(module, path)
+    owner, leaf = reparam.owner_of(module, path)
     setattr(owner, leaf, value)
 
 
@@ -60,20 +60,20 @@ def shrink_module(
             drop.setdefault(e.path, {}).setdefault(e.axis, []).append(idx + e.offset)
     # bake every mask under this module, remembering it
     masks: Dict[str, Tensor] = {}
-    for sub_name, sub, name in list(_masks.iter_masks(module)):
+    for sub_name, sub, name in list(reparam.iter_masked(module)):
         if journal is not None:  # baking zeroes the masked entries of name_orig in place
-            journal.tensor(_masks.raw(sub, name))
-        masks[f"{sub_name}.{name}" if sub_name else name] = _masks.bake(sub, name)
+            journal.tensor(reparam.stored(sub, name))
+        masks[f"{sub_name}.{name}" if sub_name else name] = reparam.unmask(sub, name)
     replacement = handler.convert(module, sizes)
     if replacement is not None:
-        parent, leaf = _masks.owner_of(model, mname)
+        parent, leaf = reparam.owner_of(model, mname)
         if journal is not None:
             journal.module(parent)
         setattr(parent, leaf, replacement)
         module = replacement
     shapes: Dict[str, List[int]] = {}
     for path, axes in drop.items():
-        owner, leaf = _masks.owner_of(module, path)
+        owner, leaf = reparam.owner_of(module, path)
         t = getattr(owner, leaf)
         keep = {}
         for axis, parts in axes.items():
@@ -89,8 +89,8 @@ def shrink_module(
         set_attr(module, path, value)
     for path, mask in masks.items():
         if not bool((mask != 0).all()):
-            owner, leaf = _masks.owner_of(module, path)
-            _masks.apply_mask(owner, leaf, mask)
+            owner, leaf = reparam.owner_of(module, path)
+            reparam.apply_mask(owner, leaf, mask)
     entry: Dict[str, Any] = {
         "attrs": {k: list(v) if isinstance(v, tuple) else v for k, v in attrs.items()},
         "tensors": shapes,

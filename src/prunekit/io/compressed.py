@@ -58,6 +58,7 @@ from typing import Any, Dict, IO, List, Mapping, Optional, Tuple, Union
 
 import torch
 
+from .. import reparam
 from .._backend import require_torch
 from .errors import CheckpointSignatureError, CorruptCheckpointError, UnreadableFileError
 from .reader import (
@@ -344,7 +345,8 @@ def _drop_masked(sd: "OrderedDict[str, torch.Tensor]") -> "OrderedDict[str, torc
         mask = sd.get(mask_key)
         if mask is None or mask.shape != value.shape:
             continue
-        out[key] = torch.where(mask != 0, value, torch.zeros((), dtype=value.dtype, device=value.device))
+        # the one definition of mask application, with the mask's zeros only (values kept exactly elsewhere)
+        out[key] = reparam.masked(value, mask != 0)
     return out
 
 

@@ -41,8 +41,8 @@ from torch import Tensor, nn
 
 from .. import _sharded
 from .._backend import TORCH, Backend, FrameworkMismatchError, backend_of, is_module, is_tensor
+from .. import reparam
 from ..reparam import Snapshot
-from . import _masking as mk
 from ._undo import UndoLog, zero_where_
 from .allocation import check_feasible, global_counts, local_counts
 from .config import PrunerConfig
@@ -104,7 +104,7 @@ def select_modules(model: nn.Module, config: Union[PrunerConfig, Mapping[str, An
     for qname, module in model.named_modules():
         if not types.intersection(_class_names(module)):
             continue
-        if not is_tensor(mk.raw_weight(module, name)):
+        if not is_tensor(reparam.stored(module, name)):
             continue
         if inc and not any(p.search(qname) for p in inc):
             continue
@@ -138,7 +138,7 @@ def explain_empty_selection(model: nn.Module, config: Union[PrunerConfig, Mappin
     """
     cfg = _as_config(config)
     model_label = type(model).__name__
-    weighted = [(q, m) for q, m in model.named_modules() if is_tensor(mk.raw_weight(m, name))]
+    weighted = [(q, m) for q, m in model.named_modules() if is_tensor(reparam.stored(m, name))]
     if not weighted:
         return f"{cfg.where}: {model_label} has no module with a tensor {name!r} to prune"
     types = set(cfg.layer_type_names)
@@ -174,6 +174,28 @@ def require_modules(model: nn.Module, config: Union[PrunerConfig, Mapping[str, A
     if not selected:
         raise ValueError(explain_empty_selection(model, config, name))
     return selected
+
+def _ensure_mask(module: nn.Module, name: str, init: Optional[Tensor] = None) -> Tensor:
+    """The module's mask buffer for ``name``, created (all ones, or ``init``) by the mask module."""
+    if reparam.is_masked(module, name):
+        return reparam.get_mask(module, name)
+    w = getattr(module, name)
+    b = backend_of(w) or TORCH
+    mask = b.ns.ones_like(w) if init is None else init.to(device=w.device, dtype=w.dtype)
+    reparam.apply_mask(module, name, mask)
+    return reparam.get_mask(module, name)
+
+
+def _optimizer_state_tensors(optimizers: List[Any], param: Tensor) -> List[Tensor]:
+    """Every per-entry optimizer state tensor of ``param`` (momentum, Adam's moments, ...):
+    the tensors in ``optimizer.state[param]`` with the parameter's shape (not ``step``)."""
+    out: List[Tensor] = []
+    for opt in optimizers:
+        state = opt.state.get(param)
+        if not state:
+            continue
+        out.extend(v for v in state.values() if is_tensor(v) and tuple(v.shape) == tuple(param.shape))
+    return out
 
 
 class Pruner:
@@ -222,7 +244,7 @@ class Pruner:
         for name, module in modules.items():
             if not is_module(module):
                 raise TypeError(f"modules[{name!r}]={module!r} is not an nn.Module (torch.nn or tensorplay.nn)")
-            w = mk.raw_weight(module, self.weight_name)
+            w = reparam.stored(module, self.weight_name)
             if not is_tensor(w):
                 raise ValueError(f"module {name!r} ({type(module).__name__}) has no tensor {self.weight_name!r} to prune")
             reason = self.pattern.check(tuple(w.shape))
@@ -255,7 +277,7 @@ class Pruner:
         snapshots = [Snapshot(m) for m in self.modules.values()]
         try:
             self.masks: Dict[str, Tensor] = {
-                n: mk.ensure_mask(m, self.weight_name, initial[n]) for n, m in self.modules.items()
+                n: _ensure_mask(m, self.weight_name, initial[n]) for n, m in self.modules.items()
             }
             self.initial_sparsity = self._group_sparsity()
             self.current_sparsity_ratio = self.initial_sparsity
@@ -339,9 +361,9 @@ class Pruner:
             return
         names, numel, lo, hi, un = [], [], [], [], []
         for n, m in self.modules.items():
-            shape = tuple(mk.raw_weight(m, self.weight_name).shape)
-            if mk.is_reparametrized(m, self.weight_name):
-                mask = mk.get_mask(m, self.weight_name)
+            shape = tuple(reparam.stored(m, self.weight_name).shape)
+            if reparam.is_masked(m, self.weight_name):
+                mask = reparam.get_mask(m, self.weight_name)
             else:
                 mask = initial.get(n)
             pruned = 0 if mask is None else self._pruned_units(n, m, mask)
@@ -452,7 +474,7 @@ class Pruner:
         """Set ``weight_orig`` to zero wherever the mask is zero (in place, no grad; atomic)."""
         with self._atomic() as undo:
             for n, m in self.modules.items():
-                zero_where_(mk.get_orig(m, self.weight_name), self.masks[n], undo)
+                zero_where_(reparam.stored(m, self.weight_name), self.masks[n], undo)
 
     def update_scores(self) -> None:
         """Feed the criterion this step's weights and gradients (gradient criteria).
@@ -465,13 +487,13 @@ class Pruner:
             return
         with self._atomic(), self._b.no_grad():
             for n, m in self.modules.items():
-                orig = mk.get_orig(m, self.weight_name)
+                orig = reparam.stored(m, self.weight_name)
                 self.criterion.update(n, orig.detach(), orig.grad)
             self._scored_step = self.global_step
 
     def layer_scores(self, name: str, module: nn.Module) -> Tensor:
         """Importance of every weight of one layer (higher = keep)."""
-        w = mk.effective_weight(module, self.weight_name)
+        w = reparam.effective(module, self.weight_name)
         s = self.criterion.score(name, w)
         if s is None:
             logger.warning("%s: no gradient scores for %r yet; ranking it by magnitude this time",
@@ -532,7 +554,7 @@ class Pruner:
     def _set_mask(self, name: str, keep: Tensor) -> None:
         module = self.modules[name]
         mask = self.masks[name]
-        orig = mk.get_orig(module, self.weight_name)
+        orig = reparam.stored(module, self.weight_name)
         b = self._b
         if b.ns.equal(keep.to(b.bool), mask != 0):
             return
@@ -551,7 +573,7 @@ class Pruner:
             zero_where_(orig, keep_f, undo)
             if orig.grad is not None:
                 zero_where_(orig.grad, keep_f, undo)
-            for t in mk.optimizer_state_tensors(self.optimizers, orig):
+            for t in _optimizer_state_tensors(self.optimizers, orig):
                 zero_where_(t, keep_f, undo)
 
     # ------------------------------------------------------------------ checkpointing
@@ -655,7 +677,7 @@ class PatternLockPruner(Pruner):
     adds_zeros = False
 
     def _initial_mask(self, name: str, module: nn.Module) -> Optional[Tensor]:
-        w = mk.raw_weight(module, self.weight_name)
+        w = reparam.stored(module, self.weight_name)
         return (w != 0).to(w.dtype)
 
 

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from torch import Tensor, nn
 
-from ..state_dict import dense_state_dict
+from .. import reparam
 from ..measure import block_counts, count, effective_tensors, fraction, totals
 from ..kernels.patterns import get_pattern
 
@@ -58,16 +58,12 @@ def _layer_tensor(module: nn.Module, module_name: str, weight_name: str,
 
     A tensor missing there (a parameter tied to one met earlier under another
     name, or a buffer) is read from the module, a pruned one baked by the same
-    :func:`prunekit.dense_state_dict`.
+    :func:`prunekit.reparam.masked` (what ``dense_state_dict`` uses).
     """
     t = tensors.get(f"{module_name}.{weight_name}" if module_name else weight_name)
     if t is not None:
         return t
-    orig = getattr(module, weight_name + "_orig", None)
-    mask = getattr(module, weight_name + "_mask", None)
-    if orig is not None and mask is not None:
-        return dense_state_dict({"w_orig": orig.detach(), "w_mask": mask})["w"]
-    return getattr(module, weight_name).detach()  # AttributeError naming the module when it has none
+    return reparam.effective(module, weight_name)  # AttributeError naming the module when it has none
 
 
 def sparsity_report(model: nn.Module, layers: Optional[Mapping[str, Optional[Any]]] = None,

@@ -36,6 +36,8 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 
 from torch import Tensor, nn
 
+from ... import reparam
+
 __all__ = [
     "Entry",
     "HandlerRegistry",
@@ -253,7 +255,7 @@ def has_tensor(module: nn.Module, path: str) -> bool:
     """Whether ``module`` has a tensor at dotted ``path`` (pruned or not)."""
     owner, _, leaf = path.rpartition(".")
     mod = module.get_submodule(owner) if owner else module
-    return getattr(mod, leaf, None) is not None or hasattr(mod, leaf + "_orig")
+    return reparam.stored(mod, leaf) is not None  # never computes a masked value
 
 
 _ENTRIES: Dict[tuple, Tuple[Entry, ...]] = {}

@@ -1,0 +1,227 @@
+"""Pruned models go wherever dense models go (issue 18): the write rule and the compatibility matrix.
+
+Every row prunes a small conv + batchnorm + linear model (or one layer) with
+``l1_unstructured`` and checks the operation's result against the
+dense-equivalent model (the same weights with the masks baked in by
+``prunekit.remove``). Where torch.nn.utils.prune fails the same operation,
+the row says so in ``TORCH``.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import prunekit
+from prunekit import reparam
+
+# torch.nn.utils.prune's column where it differs (recorded from torch 2.13, for the README's table)
+TORCH = {
+    "write through name": "discarded at the next forward (the hook recomputes name)",
+    "nn.Parameter assigned to name": "TypeError at the next forward",
+    "torch.jit.script": "fails",
+}
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    with torch.no_grad():
+        m[1].running_mean.uniform_(-1, 1)
+        m[1].running_var.uniform_(0.5, 2)
+    return m.eval()
+
+
+def _pruned(seed=0):
+    m = _model(seed)
+    prunekit.l1_unstructured(m[0], "weight", 0.5)
+    prunekit.l1_unstructured(m[4], "weight", 0.5)
+    return m
+
+
+def _dense_equivalent(m):
+    d = copy.deepcopy(m)
+    for _, sub, name in list(reparam.iter_masked(d)):
+        prunekit.remove(sub, name)
+    return d
+
+
+X = torch.randn(2, 3, 8, 8)
+
+
+# ------------------------------------------------------------------ the write rule
+WRITES = {
+    "mul_": lambda lin: lin.weight.mul_(2),
+    ".data +=": lambda lin: lin.weight.data.__iadd__(0.5),
+    ".data.copy_": lambda lin: lin.weight.data.copy_(torch.full_like(lin.weight_orig, 3.0)),
+    ".data =": lambda lin: setattr(lin.weight, "data", torch.full_like(lin.weight_orig, 4.0)),
+    "= nn.Parameter": lambda lin: setattr(lin, "weight", nn.Parameter(torch.full_like(lin.weight_orig, 5.0))),
+}
+
+
+def _expected(kind, before):
+    """What name_orig holds after the write, at the unpruned entries."""
+    return {"mul_": before * 2, ".data +=": before + 0.5, ".data.copy_": torch.full_like(before, 3.0),
+            ".data =": torch.full_like(before, 4.0), "= nn.Parameter": torch.full_like(before, 5.0)}[kind]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("kind", list(WRITES))
+def test_a_write_through_the_pruned_name_lands_in_orig_and_stays_pruned(kind, grad):
+    lin = nn.Linear(6, 4)
+    prunekit.l1_unstructured(lin, "weight", 0.5)
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        lin(x)  # a cached value exists (the forward's own)
+    orig, mask = lin.weight_orig, lin.weight_mask
+    before = orig.detach().clone()
+    keep = mask != 0
+    if grad and kind == "mul_":
+        kind_op = WRITES[".data +="]  # in-place on a tensor that requires grad: torch refuses mul_ itself
+        want = before + 0.5
+    else:
+        kind_op, want = WRITES[kind], _expected(kind, before)
+    with torch.set_grad_enabled(grad):
+        kind_op(lin)
+    with torch.no_grad():
+        y = lin(x)
+    assert lin.weight_orig is orig and lin.weight_mask is mask  # the same Parameter: optimizers keep working
+    assert torch.equal(orig.detach()[keep], want[keep])  # written where unpruned...
+    assert torch.equal(orig.detach()[~keep], before[~keep])  # ...and pruned entries keep what they held
+    eff = reparam.masked(orig.detach(), mask)
+    assert torch.equal(lin.weight.detach(), eff) and int((lin.weight == 0).sum()) >= int((~keep).sum())
+    assert torch.equal(y, nn.functional.linear(x, eff, lin.bias))
+    assert torch.equal(lin.state_dict()["weight_orig"], orig.detach())
+    assert torch.equal(prunekit.dense_state_dict(lin)["weight"], eff)
+
+
+def test_writes_are_seen_by_state_dict_copy_and_remove_without_a_forward():
+    lin = nn.Linear(4, 3)
+    prunekit.custom_from_mask(lin, "weight", torch.tensor([[1, 0, 1, 0]] * 3))
+    with torch.no_grad():
+        lin.weight.data.copy_(torch.ones(3, 4))
+    assert lin.state_dict()["weight_orig"][:, 0].tolist() == [1.0, 1.0, 1.0]
+    assert copy.deepcopy(lin).weight_orig[:, 2].tolist() == [1.0, 1.0, 1.0]
+    with torch.no_grad():
+        lin.weight.data.mul_(3)
+    prunekit.remove(lin, "weight")
+    assert lin.weight.tolist() == [[3.0, 0.0, 3.0, 0.0]] * 3
+
+
+def test_assigning_the_wrong_shape_is_a_clear_error_and_changes_nothing():
+    lin = nn.Linear(4, 3)
+    prunekit.l1_unstructured(lin, "weight", 0.5)
+    before = lin.weight_orig.detach().clone()
+    with pytest.raises(TypeError, match=r"Linear.*weight.*\(3, 4\).*\(4, 4\).*prunekit.remove"):
+        lin.weight = nn.Parameter(torch.ones(4, 4))
+    assert torch.equal(lin.weight_orig, before)
+
+
+def test_no_grad_forward_stays_cached_while_nobody_else_reads():
+    lin = nn.Linear(8, 8)
+    prunekit.l1_unstructured(lin, "weight", 0.5)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        lin(x)
+        first = lin.__dict__["_prunekit_cache"]["weight"].value
+        for _ in range(3):
+            lin(x)
+        assert lin.__dict__["_prunekit_cache"]["weight"].value is first
+        assert not lin.__dict__["_prunekit_cache"]["weight"].exposed
+
+
+# ------------------------------------------------------------------ the matrix
+def test_jit_trace_with_default_checks():
+    m = _pruned()
+    traced = torch.jit.trace(m, X)  # check_trace=True: two traces must agree (the cache is never a constant)
+    assert torch.equal(traced(X), _dense_equivalent(m)(X))
+    with torch.no_grad():
+        m[4].weight_orig.mul_(2)  # the traced graph reads weight_orig and weight_mask, not a frozen copy
+        assert torch.allclose(traced(X), m(X))
+
+
+def test_jit_script_is_a_clear_error():
+    m = _pruned()
+    with pytest.raises(TypeError, match=r"torch.jit.script.*Conv2d.*\['weight'\].*torch.jit.trace.*torch.export.*remove"):
+        torch.jit.script(m)
+
+
+def test_fuse_conv_bn_eval_keeps_the_conv_pruned_with_the_same_zeros():
+    m = _pruned()
+    fused = torch.nn.utils.fusion.fuse_conv_bn_eval(m[0], m[1])
+    assert prunekit.is_pruned(fused) and torch.equal(fused.weight_mask, m[0].weight_mask)
+    with torch.no_grad():
+        assert torch.equal(fused.weight == 0, m[0].weight_mask == 0) or bool(
+            ((fused.weight == 0) >= (m[0].weight_mask == 0)).all())
+        assert torch.allclose(fused(X), m[1](m[0](X)), atol=1e-5)
+        dense = _dense_equivalent(m)
+        assert torch.allclose(fused(X), dense[1](dense[0](X)), atol=1e-5)
+
+
+@pytest.mark.parametrize("param", ["weight_norm", "spectral_norm", "orthogonal"])
+def test_parametrizing_name_orig_of_a_pruned_tensor_keeps_it_pruned(param):
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    prunekit.l1_unstructured(lin, "weight", 0.5)
+    zeros = lin.weight_mask == 0
+    getattr(nn.utils.parametrizations, param)(lin, "weight_orig")
+    lin.eval()  # spectral_norm runs a power iteration at each read while training
+    with torch.no_grad():
+        w = lin.weight
+        assert bool((w[zeros] == 0).all())
+        x = torch.randn(2, 4)
+        assert torch.allclose(lin(x), nn.functional.linear(x, lin.weight_orig * lin.weight_mask, lin.bias))
+
+
+def test_parametrizing_the_pruned_name_and_pruning_a_parametrized_tensor_are_clear_errors():
+    lin = nn.Linear(4, 3)
+    prunekit.l1_unstructured(lin, "weight", 0.5)
+    with pytest.raises(ValueError, match="weight"):  # torch's own message: 'weight' is not a parameter
+        nn.utils.parametrizations.weight_norm(lin, "weight")
+    other = nn.Linear(4, 3)
+    nn.utils.parametrizations.weight_norm(other, "weight")
+    with pytest.raises(ValueError, match=r"Linear.*weight is parametrized.*parametrizations.weight.*original"):
+        prunekit.l1_unstructured(other, "weight", 0.5)
+    assert not prunekit.is_pruned(other)
+    prunekit.l1_unstructured(other.parametrizations.weight, "original0", 0.5)  # the way the error names
+    assert prunekit.is_pruned(other)
+
+
+def test_functional_call_export_and_load_assign():
+    m = _pruned()
+    dense = _dense_equivalent(m)
+    params = {k: v.detach() * 1 for k, v in m.state_dict().items()}
+    assert torch.equal(torch.func.functional_call(m, params, (X,)), dense(X))
+    ep = torch.export.export(m, (X,))
+    assert torch.allclose(ep.module()(X), dense(X), atol=1e-6)
+    fresh = _pruned(seed=1)
+    fresh.load_state_dict(m.state_dict(), assign=True)
+    with torch.no_grad():
+        assert torch.equal(fresh(X), dense(X))
+
+
+def test_lora_on_a_pruned_base_trains_and_merges_sparse():
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    prunekit.l1_unstructured(base[0], "weight", 0.5)
+    zeros = base[0].weight_mask == 0
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["0"], lora_alpha=4))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    layer = model.base_model.model[0]
+    delta = layer.get_delta_weight("default").detach()
+    assert bool((delta != 0).any())
+    merged = model.merge_and_unload()
+    lin = merged[0]
+    assert prunekit.is_pruned(lin) and torch.equal(lin.weight_mask == 0, zeros)
+    with torch.no_grad():
+        assert bool((lin.weight[zeros] == 0).all())  # the merged update is masked: the base stays sparse
+        # the merge landed in weight_orig where unpruned
+        expected = reparam.masked(base[0].weight_orig.detach(), base[0].weight_mask)
+        assert torch.equal(lin.weight, expected)
