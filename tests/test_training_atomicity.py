@@ -113,7 +113,7 @@ def prepared_model():
 
 WIRING = __import__("prunekit.training.wiring", fromlist=["wiring"])
 PREPARE_POINTS = [(pruners_mod, "zero_where_"), (WIRING, "get_pruner"), (PruningCallbacks, "wire"),
-                  (pruners_mod.Pruner, "on_train_begin"), (pruners_mod.mk, "ensure_mask"),
+                  (pruners_mod.Pruner, "on_train_begin"), (pruners_mod, "_ensure_mask"),
                   (pruners_mod.Pruner, "_check_target"), (pruners_mod, "get_scheduler")]
 
 
@@ -146,7 +146,7 @@ def test_prepare_pruning_interrupted_anywhere_changes_nothing(monkeypatch):
 
 STEP_POINTS = [(pruners_mod.Pruner, "_set_mask"), (pruners_mod, "zero_where_"), (pruners_mod, "select_lowest"),
                (pruners_mod.Pruner, "update_scores"), (pruners_mod.Pruner, "update_masks"),
-               (pruners_mod.mk, "optimizer_state_tensors")]
+               (pruners_mod, "_optimizer_state_tensors")]
 
 
 def _phase(mp_factory, cb, model, opt, event, point, counter):
