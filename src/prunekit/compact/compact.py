@@ -22,6 +22,7 @@ from . import _masks
 from .dead import NonZero, unit_states, zero_units
 from .errors import CompactionError
 from .graph import DependencyGraph, build_dependency_graph, check_graph
+from .hf_config import updated_config
 from .inputs import flatten_output, split_inputs
 from .journal import Journal, atomic
 from .modules import REPLACEMENTS
@@ -63,6 +64,7 @@ def compact(
     graph: Optional[DependencyGraph] = None,
     check: bool = True,
     rtol: float = 1e-4,
+    gqa: str = "groups",
 ) -> nn.Module:
     """Rebuild every layer whose whole channels/heads are masked with smaller dense layers.
 
@@ -82,7 +84,14 @@ def compact(
         check: run the compacted model on ``example_inputs`` (in eval mode) and compare
             its outputs with the masked model's before returning it.
         rtol: the largest relative error (``||a - b|| / ||b||`` per output tensor) the
-            check accepts.
+            check accepts. With ``exact=False`` (approximate pruning through a norm) the
+            error is not a failure: it is reported in the description (``"approximate"``)
+            and logged.
+        gqa: see :func:`build_dependency_graph` (use the value the masks were made with).
+
+    A Hugging Face model keeps its class; when its blocks all have the same sizes its
+    ``config`` is updated to them (``save_pretrained``/``from_pretrained`` then work
+    without prunekit), otherwise the description says why not (``"hf_config"``).
 
     Raises:
         ValueError: no whole channel is masked (e.g. only unstructured masks).
@@ -112,10 +121,10 @@ def compact(
     if not inplace:
         target = copy.deepcopy(model)
         g = None if graph is None else dataclasses.replace(graph, model=target)  # the graph names modules
-        _compact_into(target, example_inputs, g, ignored_layers, exact, None, reference, rtol)
+        _compact_into(target, example_inputs, g, ignored_layers, exact, gqa, None, reference, rtol)
         return target
     with atomic() as journal:
-        _compact_into(model, example_inputs, graph, ignored_layers, exact, journal, reference, rtol)
+        _compact_into(model, example_inputs, graph, ignored_layers, exact, gqa, journal, reference, rtol)
     return model
 
 
@@ -125,12 +134,13 @@ def _compact_into(
     g: Optional[DependencyGraph],
     ignored_layers: Optional[Sequence[Any]],
     exact: bool,
+    gqa: str,
     journal: Optional[Journal],
     reference: Optional[List[Tensor]],
     rtol: float,
 ) -> None:
     if g is None:
-        g = build_dependency_graph(target, example_inputs, ignored_layers=ignored_layers, exact=exact)
+        g = build_dependency_graph(target, example_inputs, ignored_layers=ignored_layers, exact=exact, gqa=gqa)
     by_module, n_whole = _plan(target, g)
     if journal is not None:
         journal.module(target)
@@ -144,9 +154,13 @@ def _compact_into(
             merged_tensors = {**old.get("tensors", {}), **entry["tensors"]}
             entry = {**old, **entry, "attrs": merged_attrs, "tensors": merged_tensors}
         desc["modules"][mname] = entry
+    _update_hf_config(target, desc, journal)
     object.__setattr__(target, _DESC_ATTR, desc)
     if reference is not None:
-        _check_outputs(target, example_inputs, reference, rtol)
+        err = _check_outputs(target, example_inputs, reference, rtol, raise_above=g.options.get("exact", True))
+        if not g.options.get("exact", True):
+            desc["approximate"] = {"output_relative_error": err}
+            logger.warning("compact: approximate compaction (exact=False): output relative error %.3g", err)
     logger.info("compact: removed %d units from %d modules", n_whole, len(by_module))
 
 
@@ -213,7 +227,28 @@ def _outputs(model: nn.Module, example_inputs: Any) -> List[Tensor]:
     return [t.detach() for t in tensors_in(flatten_output(out))]
 
 
-def _check_outputs(target: nn.Module, example_inputs: Any, reference: List[Tensor], rtol: float) -> None:
+def _update_hf_config(target: nn.Module, desc: Dict[str, Any], journal: Optional[Journal]) -> None:
+    """Give a compacted Hugging Face model a config that matches its new shapes, when one can."""
+    old = getattr(target, "config", None)
+    if old is None or not hasattr(old, "model_type"):
+        return
+    new, reason = updated_config(target)
+    if new is None:
+        desc["hf_config"] = f"not updated: {reason}"
+        logger.warning("compact: the model's config was not updated (%s); save it with save_compacted", reason)
+        return
+    for m in target.modules():
+        if getattr(m, "config", None) is old:
+            if journal is not None:
+                journal.module(m)
+            m.config = new
+    desc["hf_config"] = "updated"
+
+
+def _check_outputs(
+    target: nn.Module, example_inputs: Any, reference: List[Tensor], rtol: float, raise_above: bool = True
+) -> float:
+    """The largest relative error of the compacted model's outputs; raises above ``rtol`` if asked."""
     try:
         got = _outputs(target, example_inputs)
     except Exception as exc:
@@ -223,6 +258,7 @@ def _check_outputs(target: nn.Module, example_inputs: Any, reference: List[Tenso
         ) from exc
     if len(got) != len(reference):
         raise CompactionError(f"the compacted model returns {len(got)} tensors, the masked model {len(reference)}")
+    worst = 0.0
     for i, (a, b) in enumerate(zip(got, reference)):
         if a.shape != b.shape:
             raise CompactionError(
@@ -237,11 +273,13 @@ def _check_outputs(target: nn.Module, example_inputs: Any, reference: List[Tenso
             a64, b64 = torch.nan_to_num(a64), torch.nan_to_num(b64)
             err = float((a64 - b64).norm() / b64.norm().clamp_min(1e-30)) if bool(same_nan.all()) else float("inf")
             ok = err <= rtol or bool((a64 == b64).all())
-        if not ok:
+        worst = max(worst, err)
+        if not ok and raise_above:
             raise CompactionError(
                 f"output {i} of the compacted model differs from the masked model's by {err:.3g} (relative, "
                 f"allowed {rtol:g}); nothing was changed. Pass check=False to get the model anyway, or report it"
             )
+    return worst
 
 
 # ------------------------------------------------------------------ saving

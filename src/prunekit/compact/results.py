@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -126,6 +126,7 @@ class DependencyGraph:
     slots: Dict[Tuple[str, str], SlotInfo]
     handlers: Dict[str, "ModuleHandler"]  # module name -> handler
     ignored: Tuple[str, ...] = ()
+    options: Dict[str, Any] = field(default_factory=dict)  # build_dependency_graph's choices (gqa)
 
     def prunable_groups(self) -> List[Group]:
         return [g for g in self.groups if g.prunable]

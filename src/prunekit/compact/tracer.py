@@ -38,10 +38,11 @@ class Tracer(OpRules):
     :meth:`tie`, :meth:`block` and :meth:`shadow`.
     """
 
-    def __init__(self, model: nn.Module, registry: Any, exact: bool = True) -> None:
+    def __init__(self, model: nn.Module, registry: Any, exact: bool = True, options: Optional[Dict[str, Any]] = None) -> None:
         self.model = model
         self.registry = registry
         self.exact = exact
+        self.options: Dict[str, Any] = dict(options or {})
         self.uf = UnionFind()
         self.shadows: Dict[int, Tuple[Tensor, Tensor]] = {}
         self.slots: Dict[Tuple[str, str], SlotInfo] = {}

@@ -85,6 +85,8 @@ class TracerAPI(Protocol):
 
     #: False when the user allows inexact pruning (e.g. through a LayerNorm)
     exact: bool
+    #: choices passed to build_dependency_graph, e.g. ``{"gqa": "groups"}``
+    options: Dict[str, Any]
 
     @property
     def where(self) -> str:
