@@ -19,9 +19,10 @@ from torch import Tensor, nn
 
 from .._backend import require_torch
 from . import _masks
-from .dead import NonZero, unit_states, zero_units
+from . import weights
+from .dead import Fold, NonZero, dead_units, zero_units
 from .errors import CompactionError
-from .graph import DependencyGraph, build_dependency_graph, check_graph
+from .graph import DependencyGraph, Group, build_dependency_graph, check_graph
 from .hf_config import updated_config
 from .inputs import flatten_output, split_inputs
 from .journal import Journal, atomic
@@ -141,9 +142,10 @@ def _compact_into(
 ) -> None:
     if g is None:
         g = build_dependency_graph(target, example_inputs, ignored_layers=ignored_layers, exact=exact, gqa=gqa)
-    by_module, n_whole = _plan(target, g)
+    by_module, n_whole, folds, kept = _plan(target, g)
     if journal is not None:
         journal.module(target)
+    _apply_folds(target, folds, journal)
     desc = dict(getattr(target, _DESC_ATTR, None) or {"format": FORMAT, "modules": {}})
     desc["modules"] = dict(desc.get("modules", {}))
     for mname, rem in by_module.items():
@@ -154,6 +156,7 @@ def _compact_into(
             merged_tensors = {**old.get("tensors", {}), **entry["tensors"]}
             entry = {**old, **entry, "attrs": merged_attrs, "tensors": merged_tensors}
         desc["modules"][mname] = entry
+    desc["kept"] = kept
     _update_hf_config(target, desc, journal)
     object.__setattr__(target, _DESC_ATTR, desc)
     if reference is not None:
@@ -164,36 +167,83 @@ def _compact_into(
     logger.info("compact: removed %d units from %d modules", n_whole, len(by_module))
 
 
-def _plan(target: nn.Module, g: DependencyGraph) -> Tuple[Dict[str, Dict[str, Tensor]], int]:
-    """Per module and slot, the sorted indices to remove; and how many units go."""
+def _plan(target: nn.Module, g: DependencyGraph) -> Tuple[Dict[str, Dict[str, Tensor]], int, List[Fold], List[Dict[str, Any]]]:
+    """Per module and slot, the sorted indices to remove; how many units go; the constants
+    to fold into readers' biases; and a reason for every unit that is masked but stays."""
     nz = NonZero(g)
     removed: Dict[Tuple[str, str], List[Tensor]] = {}
+    folds: List[Fold] = []
+    kept: List[Dict[str, Any]] = []
     n_whole = n_partial = n_units = 0
-    for grp in g.groups:
-        whole, partial = unit_states(g, grp, nz)
+    for gi, grp in enumerate(g.groups):
+        verdict = dead_units(g, grp, nz)
+        whole, partial = verdict.removable, verdict.partial
         n_partial += int((partial & ~whole).sum())
         if not grp.prunable:
-            if bool(whole.any()):
-                logger.warning("compact: %d masked unit(s) left in place: %s", int(whole.sum()), grp.blocked)
+            if bool((whole | partial).any()):
+                logger.warning("compact: %d masked unit(s) left in place: %s", int((whole | partial).sum()), grp.blocked)
+                kept.append(_kept_entry(grp, (whole | partial).nonzero().view(-1).tolist(), grp.blocked))
             continue
         n_units += len(grp.units)
         if bool(whole.all()):
             logger.warning("compact: every unit of %r is masked; keeping one so the layers stay valid", grp)
+            whole = whole.clone()
             whole[0] = False
+            kept.append(_kept_entry(grp, [0], "every unit of its group is removable; one stays so the layers keep a channel"))
+        for u, why in verdict.reasons.items():
+            kept.append(_kept_entry(grp, [u], why))
         n_whole += int(whole.sum())
-        for key, (idx, unit_of) in grp.member_index().items():
+        index = grp.member_index()
+        for key, (idx, unit_of) in index.items():
             removed.setdefault(key, []).append(idx[whole[unit_of]])
+        for f in verdict.folds:
+            idx, unit_of = index[(f.module, f.slot)]
+            gone = torch.zeros(g.slots[(f.module, f.slot)].spec.size, dtype=torch.bool)
+            gone[idx[whole[unit_of]]] = True
+            mine = gone[f.index]
+            if bool(mine.any()):
+                folds.append(Fold(f.module, f.slot, f.index[mine], f.values[mine], f.rules))
     if n_whole == 0:
-        raise ValueError(_nothing_to_remove(target, n_units, n_partial))
+        raise ValueError(_nothing_to_remove(target, n_units, n_partial, kept))
     by_module: Dict[str, Dict[str, Tensor]] = {}
     for (mname, sname), parts in removed.items():
         idx = torch.cat(parts)
         if idx.numel():
             by_module.setdefault(mname, {})[sname] = torch.sort(idx).values
-    return by_module, n_whole
+    return by_module, n_whole, folds, kept
 
 
-def _nothing_to_remove(target: nn.Module, n_units: int, n_partial: int) -> str:
+def _kept_entry(grp: Group, units: List[int], reason: Optional[str]) -> Dict[str, Any]:
+    index = grp.member_index()
+    channels = {}
+    for (mname, sname), (idx, unit_of) in index.items():
+        mine = idx[torch.isin(unit_of, torch.tensor(units))]
+        if mine.numel():
+            channels[f"{mname}.{sname}" if mname else sname] = mine.tolist()
+    return {"units": units, "channels": channels, "reason": reason or ""}
+
+
+def _apply_folds(target: nn.Module, folds: List[Fold], journal: Optional[Journal]) -> None:
+    """Add what removed constant channels contributed to their readers' biases (before slicing)."""
+    for f in folds:
+        module = target.get_submodule(f.module) if f.module else target
+        for wpath, in_axis, out_axis, bpath in f.rules:
+            w = weights.effective(module, wpath).to(torch.float64)
+            cols = w.index_select(in_axis, f.index)
+            shape = [1] * cols.dim()
+            shape[in_axis] = -1
+            contrib = cols * f.values.view(shape)
+            delta = contrib.sum(dim=[d for d in range(cols.dim()) if d != out_axis])
+            owner, leaf = _masks.owner_of(module, bpath)
+            bias = getattr(owner, leaf)
+            if journal is not None:
+                journal.tensor(bias)
+            with torch.no_grad():
+                bias.add_(delta.to(bias.dtype))
+        logger.info("compact: folded %d constant channel(s) into the biases of '%s'", f.index.numel(), f.module)
+
+
+def _nothing_to_remove(target: nn.Module, n_units: int, n_partial: int, kept: List[Dict[str, Any]]) -> str:
     n_masks, zeros, total = _mask_summary(target)
     if n_masks and zeros:
         msg = (
@@ -202,9 +252,13 @@ def _nothing_to_remove(target: nn.Module, n_units: int, n_partial: int) -> str:
             "without emptying a whole channel in every layer that reads it. Compaction needs whole channels. "
         )
         if n_partial:
+            first = next((k for k in kept if k["reason"]), None)
             msg += (
                 f"{n_partial} units are zero in some layers but still read by others (e.g. ln_structured on one "
-                "layer only); mask whole groups with prunekit.compact.prune_groups(model, example_inputs, amount). "
+                "layer only)"
+                + (f", e.g. {next(iter(first['channels']))} {first['channels'][next(iter(first['channels']))][:4]}: "
+                   f"{first['reason']}" if first else "")
+                + "; mask whole groups with prunekit.compact.prune_groups(model, example_inputs, amount). "
             )
         return msg + "For unstructured sparsity use the sparse-inference path instead: prunekit.sparsify_for_inference(model)."
     return (

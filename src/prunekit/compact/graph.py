@@ -67,7 +67,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from torch import nn
 
 from .errors import TraceError
-from .grouping import collect, default_final_layers
+from .grouping import collect, default_final_layers, read_values
 from .handlers import REGISTRY, HandlerRegistry
 from .handlers.projection_attention import GQA_MODES
 from .results import DependencyGraph, Group, SlotInfo, Unit
@@ -153,6 +153,7 @@ def build_dependency_graph(
             ignored = default_final_layers(tracer)
         graph = collect(tracer, tuple(ignored))
         graph.options = {**tracer.options, "exact": exact}
+        graph.read_values = read_values(tracer.reads, tracer.uf.n)
         return graph
     finally:
         if gc_was_enabled:

@@ -5,11 +5,12 @@ Qwen2, T5 and their relatives). Matched by class name and attributes, so
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List, Union
 
 from torch import nn
 
 from .base import ModuleHandler, Slot, TracerAPI, arg, entries, has_tensor, register_handler
+from .constants import Fold, affine_row_values
 
 __all__ = ["Conv1DHandler", "RMSNormHandler"]
 
@@ -36,11 +37,19 @@ class Conv1DHandler(ModuleHandler):
         return {"in": Slot(m.nx, entries(("weight", 0, 0, "in")), role="in"), "out": Slot(m.nf, out, role="out")}
 
     def trace(self, m: nn.Module, name: str, tracer: TracerAPI, args: tuple, kwargs: dict, output: Any) -> None:
-        tracer.bind(arg(args, kwargs, 0, "x"), -1, tracer.slot(name, "in"))
-        tracer.emit(output, -1, tracer.slot(name, "out"))
+        x = arg(args, kwargs, 0, "x")
+        tracer.bind(x, -1, tracer.slot(name, "in"))
+        values = affine_row_values(m, "weight", "bias" if has_tensor(m, "bias") else None, tracer.values_in(x, -1),
+                                   out_axis=1, in_axis=0)
+        tracer.emit(output, -1, tracer.slot(name, "out"), values)
 
     def attrs(self, m: nn.Module, sizes: Dict[str, int]) -> Dict[str, Any]:
         return {"nx": sizes["in"], "nf": sizes["out"]}
+
+    def fold_constant(self, m: nn.Module, slot: str) -> Union[str, List[Fold]]:
+        if slot == "in" and has_tensor(m, "bias"):
+            return [("weight", 0, 1, "bias")]
+        return "Conv1D has no bias to take the constant"
 
 
 def _is_rms_norm(m: nn.Module) -> bool:
@@ -77,6 +86,7 @@ class RMSNormHandler(ModuleHandler):
                 f"RMSNorm '{name}' normalizes over these features: removing some changes its statistics "
                 "(pass exact=False to prune them anyway; compact() then reports the output error)",
             )
+        # no constants claimed: some RMS norms scale by (1 + weight), where a masked weight is not zero
         tracer.emit(output, -1, ids)
 
     def attrs(self, m: nn.Module, sizes: Dict[str, int]) -> Dict[str, Any]:

@@ -29,8 +29,9 @@ import torch
 from torch import nn
 
 from .base import Entry, ModuleHandler, Slot, TracerAPI, arg, first, has_tensor, register_handler
+from .constants import affine_row_values
 
-__all__ = ["Layout", "ProjectionAttentionHandler", "Proj", "layout_of"]
+__all__ = ["Layout", "ProjectionAttentionHandler", "Proj", "cache_is_fresh", "layout_of"]
 
 GQA_MODES = ("groups", "query_heads")
 
@@ -232,7 +233,7 @@ class ProjectionAttentionHandler(ModuleHandler):
         kv = None
         if lay.kv_arg is not None:
             kv = kwargs.get(lay.kv_arg[1]) if lay.kv_arg[0] < 0 else arg(args, kwargs, *lay.kv_arg)
-        cached = [a for a in lay.cache_args if kwargs.get(a) is not None and not _fresh(kwargs[a], m, x, kv)]
+        cached = [a for a in lay.cache_args if kwargs.get(a) is not None and not cache_is_fresh(kwargs[a], m, x, kv)]
         if cached:
             for t in everything:
                 tracer.block(t, f"attention '{name}' was traced with cached keys/values ({cached[0]}); trace without a cache")
@@ -252,7 +253,36 @@ class ProjectionAttentionHandler(ModuleHandler):
                 tracer.bind(given, 1, ids["heads"])
             if isinstance(output, (tuple, list)) and len(output) > out_index:
                 tracer.emit(output[out_index], 1, ids["heads"])
-        tracer.emit(first(output), -1, ids["out"] if "out" in ids else ids["ctx"])
+        ctx = _context_values(m, lay)
+        if lay.o is not None:
+            tracer.read(ids["o_in"], ctx)
+            o_bias = f"{lay.o.path}.bias" if has_tensor(m, f"{lay.o.path}.bias") else None
+            values = affine_row_values(m, f"{lay.o.path}.weight", o_bias, ctx, lay.o.out_axis, lay.o.in_axis)
+            if values is not None and lay.o.transposed:  # a fused output projection is never split
+                values = values[lay.o.offset:]
+            tracer.emit(first(output), -1, ids["out"], values)
+        else:
+            tracer.emit(first(output), -1, ids["ctx"], ctx)
+
+    def fold_constant(self, m, slot):
+        lay = _layout(m)
+        if slot == "in":
+            projs = [lay.q] if (lay.cross or lay.kv_arg) else [lay.q, lay.k, lay.v]
+        elif slot == "kv_in":
+            projs = [lay.k, lay.v]
+        elif slot == "o_in" and lay.o is not None:
+            projs = [lay.o]
+        else:
+            return f"slot {slot!r} of {lay.family} attention takes no constant"
+        folds, seen = [], set()
+        for p in projs:
+            if p.path in seen:
+                continue
+            seen.add(p.path)
+            if not has_tensor(m, f"{p.path}.bias"):
+                return f"{lay.family} attention's '{p.path}' has no bias to take the constant"
+            folds.append((f"{p.path}.weight", p.in_axis, p.out_axis, f"{p.path}.bias"))
+        return folds
 
     @staticmethod
     def _tie(m: nn.Module, name: str, tracer: TracerAPI, lay: Layout, ids: Dict[str, Any]) -> None:
@@ -310,7 +340,7 @@ class ProjectionAttentionHandler(ModuleHandler):
         return a
 
 
-def _fresh(cache: Any, m: nn.Module, x: Any, kv: Any) -> bool:
+def cache_is_fresh(cache: Any, m: nn.Module, x: Any, kv: Any) -> bool:
     """Whether a key/value cache held nothing for this layer before this call (so the keys
     and values it used came from this call's inputs only)."""
     layer = getattr(m, "layer_idx", None)
@@ -323,6 +353,19 @@ def _fresh(cache: Any, m: nn.Module, x: Any, kv: Any) -> bool:
         return int(stored) == int(tokens)
     except Exception:  # an unknown cache: assume it held something
         return False
+
+
+def _context_values(m: nn.Module, lay: Layout) -> Optional[torch.Tensor]:
+    """Per context index (head, dim): the constant it holds when the head's value rows are masked
+    (attention averages the value bias; zero without one), NaN otherwise; None if nothing is known."""
+    bias = f"{lay.v.path}.bias" if has_tensor(m, f"{lay.v.path}.bias") else None
+    rows = affine_row_values(m, f"{lay.v.path}.weight", bias, None, lay.v.out_axis, lay.v.in_axis)
+    if rows is None:
+        return None
+    v = rows[lay.v.offset: lay.v.offset + lay.kv_heads * lay.v_dim].view(lay.kv_heads, lay.v_dim)
+    per_head = v[torch.arange(lay.heads) // (lay.heads // lay.kv_heads)]  # the group each query head reads
+    out = per_head.reshape(-1)
+    return out if bool((~torch.isnan(out)).any()) else None
 
 
 def _slot_names(lay: Layout) -> List[str]:
