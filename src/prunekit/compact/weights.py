@@ -16,14 +16,18 @@ __all__ = ["effective", "is_masked", "maybe"]
 
 
 def _owner(module: nn.Module, path: str):
+    if "." not in path:
+        return module, path
     prefix, _, leaf = path.rpartition(".")
-    return (module.get_submodule(prefix) if prefix else module), leaf
+    return module.get_submodule(prefix), leaf
 
 
 def is_masked(module: nn.Module, path: str) -> bool:
     """Whether the tensor at dotted ``path`` carries a pruning mask (prunekit's or torch's)."""
     owner, leaf = _owner(module, path)
-    return _masks.is_masked(owner, leaf)
+    # the reparameterization's names (``name_orig`` parameter, ``name_mask`` buffer), read
+    # from the dicts directly: hasattr on a module raises and catches for every miss
+    return leaf + "_orig" in owner._parameters and leaf + "_mask" in owner._buffers
 
 
 def effective(module: nn.Module, path: str) -> Tensor:

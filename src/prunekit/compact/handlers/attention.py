@@ -77,7 +77,8 @@ class MultiheadAttentionHandler(ModuleHandler):
 
 def _is_bert_self_attention(m: nn.Module) -> bool:
     return (
-        "CrossAttention" not in type(m).__name__  # cross-attention: projection_attention's handler
+        "query" in m._modules
+        and "CrossAttention" not in type(m).__name__  # cross-attention: projection_attention's handler
         and all(isinstance(getattr(m, k, None), nn.Linear) for k in ("query", "key", "value"))
         and isinstance(getattr(m, "num_attention_heads", None), int)
         and isinstance(getattr(m, "attention_head_size", None), int)

@@ -182,8 +182,12 @@ def _layout(m: nn.Module) -> Layout:
     return lay
 
 
+_FIRST_PROJECTIONS = frozenset({"q_proj", "q_lin", "q", "c_attn", "query"})
+
+
 def _is_projection_attention(m: nn.Module) -> bool:
-    return layout_of(m) is not None
+    # cheap first: every supported layout has one of these submodules
+    return not _FIRST_PROJECTIONS.isdisjoint(m._modules) and layout_of(m) is not None
 
 
 def _rows(p: Proj, m: nn.Module, offset: int = 0) -> List[Entry]:
