@@ -232,11 +232,16 @@ def test_unstructured_masks_error():
 
 
 def test_partial_channel_masks_error_points_to_prune_groups():
-    x = torch.randn(4, 64)
-    m = MLP()
-    prunekit.ln_structured(m.layers[0], "weight", 0.5, n=2, dim=0)
-    with pytest.raises(ValueError, match="prune_groups"):
-        compact(m, x)
+    # torch-style output-row masks on a conv read by a zero-padded conv: each masked channel holds
+    # its bias, which the padding would make position-dependent -> nothing can go, and the error says why
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3, padding=1)).eval()
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        m[0].bias.uniform_(0.1, 1.0)  # positive: the masked channels are relu(bias) > 0, not zero
+    prunekit.ln_structured(m[0], "weight", 0.5, n=2, dim=0)
+    with pytest.raises(ValueError, match=r"prune_groups.*|pads with zeros") as e:
+        compact(m, x, ignored_layers=[])
+    assert "pads with zeros (padding=(1, 1))" in str(e.value) and "prune_groups" in str(e.value)
 
 
 def test_unremovable_channels_keep_unstructured_masks():

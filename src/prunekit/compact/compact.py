@@ -19,9 +19,11 @@ from torch import Tensor, nn
 
 from .._backend import require_torch
 from .. import reparam
-from .dead import NonZero, unit_states, zero_units
+from . import weights
+from .dead import Fold, NonZero, dead_units, zero_units
 from .errors import CompactionError
-from .graph import DependencyGraph, build_dependency_graph, check_graph
+from .graph import DependencyGraph, Group, build_dependency_graph, check_graph
+from .hf_config import updated_config
 from .inputs import flatten_output, split_inputs
 from .journal import Journal, atomic
 from .modules import REPLACEMENTS
@@ -63,6 +65,7 @@ def compact(
     graph: Optional[DependencyGraph] = None,
     check: bool = True,
     rtol: float = 1e-4,
+    gqa: str = "groups",
 ) -> nn.Module:
     """Rebuild every layer whose whole channels/heads are masked with smaller dense layers.
 
@@ -82,7 +85,14 @@ def compact(
         check: run the compacted model on ``example_inputs`` (in eval mode) and compare
             its outputs with the masked model's before returning it.
         rtol: the largest relative error (``||a - b|| / ||b||`` per output tensor) the
-            check accepts.
+            check accepts. With ``exact=False`` (approximate pruning through a norm) the
+            error is not a failure: it is reported in the description (``"approximate"``)
+            and logged.
+        gqa: see :func:`build_dependency_graph` (use the value the masks were made with).
+
+    A Hugging Face model keeps its class; when its blocks all have the same sizes its
+    ``config`` is updated to them (``save_pretrained``/``from_pretrained`` then work
+    without prunekit), otherwise the description says why not (``"hf_config"``).
 
     Raises:
         ValueError: no whole channel is masked (e.g. only unstructured masks).
@@ -112,10 +122,10 @@ def compact(
     if not inplace:
         target = copy.deepcopy(model)
         g = None if graph is None else dataclasses.replace(graph, model=target)  # the graph names modules
-        _compact_into(target, example_inputs, g, ignored_layers, exact, None, reference, rtol)
+        _compact_into(target, example_inputs, g, ignored_layers, exact, gqa, None, reference, rtol)
         return target
     with atomic() as journal:
-        _compact_into(model, example_inputs, graph, ignored_layers, exact, journal, reference, rtol)
+        _compact_into(model, example_inputs, graph, ignored_layers, exact, gqa, journal, reference, rtol)
     return model
 
 
@@ -125,15 +135,17 @@ def _compact_into(
     g: Optional[DependencyGraph],
     ignored_layers: Optional[Sequence[Any]],
     exact: bool,
+    gqa: str,
     journal: Optional[Journal],
     reference: Optional[List[Tensor]],
     rtol: float,
 ) -> None:
     if g is None:
-        g = build_dependency_graph(target, example_inputs, ignored_layers=ignored_layers, exact=exact)
-    by_module, n_whole = _plan(target, g)
+        g = build_dependency_graph(target, example_inputs, ignored_layers=ignored_layers, exact=exact, gqa=gqa)
+    by_module, n_whole, folds, kept = _plan(target, g)
     if journal is not None:
         journal.module(target)
+    _apply_folds(target, folds, journal)
     desc = dict(getattr(target, _DESC_ATTR, None) or {"format": FORMAT, "modules": {}})
     desc["modules"] = dict(desc.get("modules", {}))
     for mname, rem in by_module.items():
@@ -144,42 +156,94 @@ def _compact_into(
             merged_tensors = {**old.get("tensors", {}), **entry["tensors"]}
             entry = {**old, **entry, "attrs": merged_attrs, "tensors": merged_tensors}
         desc["modules"][mname] = entry
+    desc["kept"] = kept
+    _update_hf_config(target, desc, journal)
     object.__setattr__(target, _DESC_ATTR, desc)
     if reference is not None:
-        _check_outputs(target, example_inputs, reference, rtol)
+        err = _check_outputs(target, example_inputs, reference, rtol, raise_above=g.options.get("exact", True))
+        if not g.options.get("exact", True):
+            desc["approximate"] = {"output_relative_error": err}
+            logger.warning("compact: approximate compaction (exact=False): output relative error %.3g", err)
     logger.info("compact: removed %d units from %d modules", n_whole, len(by_module))
 
 
-def _plan(target: nn.Module, g: DependencyGraph) -> Tuple[Dict[str, Dict[str, Tensor]], int]:
-    """Per module and slot, the sorted indices to remove; and how many units go."""
+def _plan(target: nn.Module, g: DependencyGraph) -> Tuple[Dict[str, Dict[str, Tensor]], int, List[Fold], List[Dict[str, Any]]]:
+    """Per module and slot, the sorted indices to remove; how many units go; the constants
+    to fold into readers' biases; and a reason for every unit that is masked but stays."""
     nz = NonZero(g)
     removed: Dict[Tuple[str, str], List[Tensor]] = {}
+    folds: List[Fold] = []
+    kept: List[Dict[str, Any]] = []
     n_whole = n_partial = n_units = 0
-    for grp in g.groups:
-        whole, partial = unit_states(g, grp, nz)
+    for gi, grp in enumerate(g.groups):
+        verdict = dead_units(g, grp, nz)
+        whole, partial = verdict.removable, verdict.partial
         n_partial += int((partial & ~whole).sum())
         if not grp.prunable:
-            if bool(whole.any()):
-                logger.warning("compact: %d masked unit(s) left in place: %s", int(whole.sum()), grp.blocked)
+            if bool((whole | partial).any()):
+                logger.warning("compact: %d masked unit(s) left in place: %s", int((whole | partial).sum()), grp.blocked)
+                kept.append(_kept_entry(grp, (whole | partial).nonzero().view(-1).tolist(), grp.blocked))
             continue
         n_units += len(grp.units)
         if bool(whole.all()):
             logger.warning("compact: every unit of %r is masked; keeping one so the layers stay valid", grp)
+            whole = whole.clone()
             whole[0] = False
+            kept.append(_kept_entry(grp, [0], "every unit of its group is removable; one stays so the layers keep a channel"))
+        for u, why in verdict.reasons.items():
+            kept.append(_kept_entry(grp, [u], why))
         n_whole += int(whole.sum())
-        for key, (idx, unit_of) in grp.member_index().items():
+        index = grp.member_index()
+        for key, (idx, unit_of) in index.items():
             removed.setdefault(key, []).append(idx[whole[unit_of]])
+        for f in verdict.folds:
+            idx, unit_of = index[(f.module, f.slot)]
+            gone = torch.zeros(g.slots[(f.module, f.slot)].spec.size, dtype=torch.bool)
+            gone[idx[whole[unit_of]]] = True
+            mine = gone[f.index]
+            if bool(mine.any()):
+                folds.append(Fold(f.module, f.slot, f.index[mine], f.values[mine], f.rules))
     if n_whole == 0:
-        raise ValueError(_nothing_to_remove(target, n_units, n_partial))
+        raise ValueError(_nothing_to_remove(target, n_units, n_partial, kept))
     by_module: Dict[str, Dict[str, Tensor]] = {}
     for (mname, sname), parts in removed.items():
         idx = torch.cat(parts)
         if idx.numel():
             by_module.setdefault(mname, {})[sname] = torch.sort(idx).values
-    return by_module, n_whole
+    return by_module, n_whole, folds, kept
 
 
-def _nothing_to_remove(target: nn.Module, n_units: int, n_partial: int) -> str:
+def _kept_entry(grp: Group, units: List[int], reason: Optional[str]) -> Dict[str, Any]:
+    index = grp.member_index()
+    channels = {}
+    for (mname, sname), (idx, unit_of) in index.items():
+        mine = idx[torch.isin(unit_of, torch.tensor(units))]
+        if mine.numel():
+            channels[f"{mname}.{sname}" if mname else sname] = mine.tolist()
+    return {"units": units, "channels": channels, "reason": reason or ""}
+
+
+def _apply_folds(target: nn.Module, folds: List[Fold], journal: Optional[Journal]) -> None:
+    """Add what removed constant channels contributed to their readers' biases (before slicing)."""
+    for f in folds:
+        module = target.get_submodule(f.module) if f.module else target
+        for wpath, in_axis, out_axis, bpath in f.rules:
+            w = weights.effective(module, wpath).to(torch.float64)
+            cols = w.index_select(in_axis, f.index)
+            shape = [1] * cols.dim()
+            shape[in_axis] = -1
+            contrib = cols * f.values.view(shape)
+            delta = contrib.sum(dim=[d for d in range(cols.dim()) if d != out_axis])
+            owner, leaf = reparam.owner_of(module, bpath)
+            bias = getattr(owner, leaf)
+            if journal is not None:
+                journal.tensor(bias)
+            with torch.no_grad():
+                bias.add_(delta.to(bias.dtype))
+        logger.info("compact: folded %d constant channel(s) into the biases of '%s'", f.index.numel(), f.module)
+
+
+def _nothing_to_remove(target: nn.Module, n_units: int, n_partial: int, kept: List[Dict[str, Any]]) -> str:
     n_masks, zeros, total = _mask_summary(target)
     if n_masks and zeros:
         msg = (
@@ -188,9 +252,13 @@ def _nothing_to_remove(target: nn.Module, n_units: int, n_partial: int) -> str:
             "without emptying a whole channel in every layer that reads it. Compaction needs whole channels. "
         )
         if n_partial:
+            first = next((k for k in kept if k["reason"]), None)
             msg += (
                 f"{n_partial} units are zero in some layers but still read by others (e.g. ln_structured on one "
-                "layer only); mask whole groups with prunekit.compact.prune_groups(model, example_inputs, amount). "
+                "layer only)"
+                + (f", e.g. {next(iter(first['channels']))} {first['channels'][next(iter(first['channels']))][:4]}: "
+                   f"{first['reason']}" if first else "")
+                + "; mask whole groups with prunekit.compact.prune_groups(model, example_inputs, amount). "
             )
         return msg + "For unstructured sparsity use the sparse-inference path instead: prunekit.sparsify_for_inference(model)."
     return (
@@ -213,7 +281,28 @@ def _outputs(model: nn.Module, example_inputs: Any) -> List[Tensor]:
     return [t.detach() for t in tensors_in(flatten_output(out))]
 
 
-def _check_outputs(target: nn.Module, example_inputs: Any, reference: List[Tensor], rtol: float) -> None:
+def _update_hf_config(target: nn.Module, desc: Dict[str, Any], journal: Optional[Journal]) -> None:
+    """Give a compacted Hugging Face model a config that matches its new shapes, when one can."""
+    old = getattr(target, "config", None)
+    if old is None or not hasattr(old, "model_type"):
+        return
+    new, reason = updated_config(target)
+    if new is None:
+        desc["hf_config"] = f"not updated: {reason}"
+        logger.warning("compact: the model's config was not updated (%s); save it with save_compacted", reason)
+        return
+    for m in target.modules():
+        if getattr(m, "config", None) is old:
+            if journal is not None:
+                journal.module(m)
+            m.config = new
+    desc["hf_config"] = "updated"
+
+
+def _check_outputs(
+    target: nn.Module, example_inputs: Any, reference: List[Tensor], rtol: float, raise_above: bool = True
+) -> float:
+    """The largest relative error of the compacted model's outputs; raises above ``rtol`` if asked."""
     try:
         got = _outputs(target, example_inputs)
     except Exception as exc:
@@ -223,6 +312,7 @@ def _check_outputs(target: nn.Module, example_inputs: Any, reference: List[Tenso
         ) from exc
     if len(got) != len(reference):
         raise CompactionError(f"the compacted model returns {len(got)} tensors, the masked model {len(reference)}")
+    worst = 0.0
     for i, (a, b) in enumerate(zip(got, reference)):
         if a.shape != b.shape:
             raise CompactionError(
@@ -237,11 +327,13 @@ def _check_outputs(target: nn.Module, example_inputs: Any, reference: List[Tenso
             a64, b64 = torch.nan_to_num(a64), torch.nan_to_num(b64)
             err = float((a64 - b64).norm() / b64.norm().clamp_min(1e-30)) if bool(same_nan.all()) else float("inf")
             ok = err <= rtol or bool((a64 == b64).all())
-        if not ok:
+        worst = max(worst, err)
+        if not ok and raise_above:
             raise CompactionError(
                 f"output {i} of the compacted model differs from the masked model's by {err:.3g} (relative, "
                 f"allowed {rtol:g}); nothing was changed. Pass check=False to get the model anyway, or report it"
             )
+    return worst
 
 
 # ------------------------------------------------------------------ saving

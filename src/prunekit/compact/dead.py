@@ -1,21 +1,33 @@
 """Which units are dead: removing them cannot change the masked model's output.
 
-A unit (channel, head, group of a grouped conv) is dead when every tensor that *reads*
-it is zero there (its consumers' input columns are masked); a unit no tensor reads
-(the query/key dims of a head) must be zero everywhere.
+One propagation decides it (the constants of :mod:`prunekit.compact.consts`, recorded
+while the model was traced). A unit -- a channel, a head, a group of a grouped conv,
+coupled across every layer it spans -- can go when, at every layer that *reads* it:
+
+* the reader's input columns are zero there (masked), or
+* the value it reads is provably zero (its producer's rows and bias are masked, or a
+  normalization's scale and shift, and every operation on the way keeps zero at zero), or
+* the value is provably a constant that the reader folds exactly into its bias (a
+  Linear; a convolution whose padding cannot make the constant position-dependent).
+
+A unit nothing reads (the query/key dims of a head) must be zero in every tensor it
+spans. Every unit that is masked somewhere but stays gets a reason.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from .. import reparam
+from . import weights
 from .results import DependencyGraph, Group
 
-__all__ = ["NonZero", "unit_states", "zero_units"]
+__all__ = ["Fold", "NonZero", "Verdict", "dead_units", "zero_units"]
+
+_NAN = float("nan")
 
 
 class NonZero:
@@ -24,41 +36,138 @@ class NonZero:
     def __init__(self, graph: DependencyGraph) -> None:
         self.graph = graph
         self.cache: Dict[Tuple[str, str, int], Tensor] = {}
+        self._folds: Dict[Tuple[str, str], Union[str, list]] = {}
 
     def __call__(self, mname: str, path: str, axis: int) -> Tensor:
         key = (mname, path, axis)
         if key not in self.cache:
-            owner, leaf = reparam.owner_of(self.graph.module(mname), path)
-            t = reparam.effective(owner, leaf)
+            t = weights.effective(self.graph.module(mname), path)
             self.cache[key] = (t != 0).movedim(axis, 0).reshape(t.shape[axis], -1).any(dim=1)
         return self.cache[key]
 
+    def fold(self, mname: str, sname: str) -> Union[str, list]:
+        """The reader's fold rules for a constant input (a list), or why it cannot (a string)."""
+        key = (mname, sname)
+        if key not in self._folds:
+            module = self.graph.module(mname)
+            rule = self.graph.handlers[mname].fold_constant(module, sname)
+            if isinstance(rule, list):
+                masked = [b for _, _, _, b in rule if weights.is_masked(module, b)]
+                if masked:
+                    rule = f"'{mname}.{masked[0]}' is masked, so a constant folded into it would be lost"
+            self._folds[key] = rule
+        return self._folds[key]
 
-def unit_states(graph: DependencyGraph, group: Group, nz: NonZero) -> Tuple[Tensor, Tensor]:
-    """Per unit of ``group``: (removable, partially zero), as bool tensors.
 
-    A unit is removable when it is zero in every tensor that reads it (role ``"in"``);
-    a unit no tensor reads (the query/key dims of a head) must be zero everywhere.
-    Every unit of a group spans the same tensors, so "has readers" is per group.
+@dataclass
+class Fold:
+    """Constants removed units leave behind at one reader: ``values[i]`` at slot index ``index[i]``."""
+
+    module: str
+    slot: str
+    index: Tensor
+    values: Tensor
+    rules: list
+
+
+@dataclass
+class Verdict:
+    """What the propagation decided for one group's units."""
+
+    removable: Tensor  # bool per unit
+    partial: Tensor  # bool per unit: zero (or constant) somewhere in a tensor it spans
+    folds: List[Fold] = field(default_factory=list)  # for the removable units
+    reasons: Dict[int, str] = field(default_factory=dict)  # kept units that are partly masked: why
+
+
+def _per_unit_all(ok: Tensor, unit_of: Tensor, n: int) -> Tensor:
+    bad = torch.zeros(n, dtype=torch.long).index_add_(0, unit_of, (~ok).long())
+    return bad == 0
+
+
+def _per_unit_any(hit: Tensor, unit_of: Tensor, n: int) -> Tensor:
+    return torch.zeros(n, dtype=torch.long).index_add_(0, unit_of, hit.long()) > 0
+
+
+def dead_units(graph: DependencyGraph, group: Group, nz: Optional[NonZero] = None, explain: bool = True) -> Verdict:
+    """The :class:`Verdict` for ``group`` (see the module docstring).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from prunekit.compact import build_dependency_graph
+        >>> m = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+        >>> with torch.no_grad():
+        ...     m[2].weight[:, 0] = 0
+        >>> g = build_dependency_graph(m, torch.randn(1, 4))
+        >>> dead_units(g, g.prunable_groups()[0]).removable.tolist()
+        [True, False, False]
     """
+    nz = nz or NonZero(graph)
     n = len(group.units)
-    readers_zero = torch.ones(n, dtype=torch.bool)
+    readers_ok = torch.ones(n, dtype=torch.bool)
     others_zero = torch.ones(n, dtype=torch.bool)
-    any_zero = torch.zeros(n, dtype=torch.bool)
+    partial = torch.zeros(n, dtype=torch.bool)
     has_readers = has_others = False
-    for mname, e, idx, unit_of in graph.entries(group):
-        nonzero = torch.zeros(n, dtype=torch.long).index_add_(0, unit_of, nz(mname, e.path, e.axis)[idx].long())
-        zero = nonzero == 0
-        any_zero |= zero
-        if e.role == "in":
-            readers_zero &= zero
-            has_readers = True
-        else:
+    readers: List[Tuple[str, str, Tensor, Tensor, Tensor, Tensor, Union[str, list], Tensor]] = []
+    for (mname, sname), (idx, unit_of) in group.member_index().items():
+        spec = graph.slots[(mname, sname)].spec
+        reads = [e for e in spec.entries if e.role == "in"]
+        for e in spec.entries:
+            if e.role in ("in", "buffer"):
+                continue
+            zero = _per_unit_all(~nz(mname, e.path, e.axis)[idx + e.offset], unit_of, n)
             others_zero &= zero
+            partial |= zero
             has_others = True
-    if has_readers:
-        return readers_zero, any_zero
-    return others_zero & has_others, any_zero
+        if not reads:
+            continue
+        has_readers = True
+        colzero = torch.ones(idx.numel(), dtype=torch.bool)
+        for e in reads:
+            colzero &= ~nz(mname, e.path, e.axis)[idx + e.offset]
+        vals = graph.reads(mname, sname, idx)
+        if vals is None:
+            ok = colzero
+            rule: Union[str, list] = ""
+            vals = torch.full((idx.numel(),), _NAN, dtype=torch.float64)
+        else:
+            known = ~torch.isnan(vals)
+            need = known & (vals != 0) & ~colzero
+            rule = nz.fold(mname, sname) if bool(need.any()) else []
+            ok = colzero | (known & (vals == 0)) | (need & isinstance(rule, list))
+            partial |= _per_unit_any(known, unit_of, n)
+        partial |= _per_unit_any(colzero, unit_of, n)
+        readers_ok &= _per_unit_all(ok, unit_of, n)
+        readers.append((mname, sname, idx, unit_of, colzero, vals, rule, ok))
+    removable = readers_ok if has_readers else (others_zero & has_others)
+    verdict = Verdict(removable, partial)
+    for mname, sname, idx, unit_of, colzero, vals, rule, ok in readers:
+        need = removable[unit_of] & ~colzero & ~torch.isnan(vals) & (vals != 0)
+        if bool(need.any()) and isinstance(rule, list):
+            verdict.folds.append(Fold(mname, sname, idx[need], vals[need], rule))
+    if explain:
+        for u in (partial & ~removable).nonzero().view(-1).tolist():
+            verdict.reasons[u] = _why_kept(u, readers, has_readers)
+    return verdict
+
+
+def _why_kept(u: int, readers: List[Any], has_readers: bool) -> str:
+    if not has_readers:
+        return "nothing reads it, but it is not zero in every tensor it spans (mask all of it)"
+    for mname, sname, idx, unit_of, colzero, vals, rule, ok in readers:
+        mine = unit_of == u
+        bad = mine & ~ok
+        if not bool(bad.any()):
+            continue
+        i = int(bad.nonzero()[0])
+        where = f"'{mname}' ({sname} index {int(idx[i])})"
+        v = float(vals[i])
+        if v != v:  # NaN: unknown
+            return (f"{where} reads it with weights that are not masked, and nothing proves its value there "
+                    "constant (mask the producer's rows and bias, or these input columns)")
+        return f"it holds the constant {v:.6g} where {where} reads it, but {rule}"
+    return "kept"
 
 
 def zero_units(graph: DependencyGraph) -> Dict[int, List[int]]:
@@ -79,7 +188,7 @@ def zero_units(graph: DependencyGraph) -> Dict[int, List[int]]:
     for gi, g in enumerate(graph.groups):
         if not g.prunable:
             continue
-        idx = unit_states(graph, g, nz)[0].nonzero().view(-1).tolist()
+        idx = dead_units(graph, g, nz, explain=False).removable.nonzero().view(-1).tolist()
         if idx:
             out[gi] = idx
     return out

@@ -67,8 +67,9 @@ from typing import Any, Dict, List, Optional, Sequence
 from torch import nn
 
 from .errors import TraceError
-from .grouping import collect, default_final_layers
+from .grouping import collect, default_final_layers, read_values
 from .handlers import REGISTRY, HandlerRegistry
+from .handlers.projection_attention import GQA_MODES
 from .results import DependencyGraph, Group, SlotInfo, Unit
 from .tracer import Tracer
 
@@ -90,6 +91,7 @@ def build_dependency_graph(
     ignored_layers: Optional[Sequence[Any]] = None,
     exact: bool = True,
     registry: Optional[HandlerRegistry] = None,
+    gqa: str = "groups",
 ) -> DependencyGraph:
     """Trace ``model`` once and return its groups of coupled channels.
 
@@ -103,6 +105,10 @@ def build_dependency_graph(
         exact: if True (default), groups whose removal would change the masked model's
             output (e.g. features normalized by a LayerNorm) are blocked.
         registry: a :class:`~prunekit.compact.handlers.HandlerRegistry` (default: the global one).
+        gqa: units of grouped-query attention (more query heads than key/value heads):
+            ``"groups"`` -- a key/value group with its query heads; ``"query_heads"`` --
+            the j-th query head of every group (query heads removed evenly, keys and
+            values kept). Plain multi-head attention is pruned by heads either way.
 
     Example:
         >>> import torch
@@ -115,8 +121,10 @@ def build_dependency_graph(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"build_dependency_graph expects an nn.Module, got {type(model).__name__}")
+    if gqa not in GQA_MODES:
+        raise ValueError(f"gqa must be one of {GQA_MODES}, got {gqa!r}")
     registry = registry or REGISTRY
-    tracer = Tracer(model, registry, exact=exact)
+    tracer = Tracer(model, registry, exact=exact, options={"gqa": gqa})
     names = tracer.names
     explicit: List[str] = []
     for layer in ignored_layers or ():
@@ -143,7 +151,10 @@ def build_dependency_graph(
             # The final classifier keeps its outputs (they are the model's outputs and were
             # blocked above); its input columns follow the layer before it.
             ignored = default_final_layers(tracer)
-        return collect(tracer, tuple(ignored))
+        graph = collect(tracer, tuple(ignored))
+        graph.options = {**tracer.options, "exact": exact}
+        graph.read_values = read_values(tracer.reads, tracer.uf.n)
+        return graph
     finally:
         if gc_was_enabled:
             gc.enable()

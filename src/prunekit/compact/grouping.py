@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from torch import Tensor
 
 from .results import DependencyGraph, Group
 from .tracer import OUTPUT_REASON, Tracer
 
-__all__ = ["collect", "default_final_layers"]
+__all__ = ["collect", "default_final_layers", "read_values"]
 
 
 def collect(tracer: Tracer, ignored: Tuple[str, ...]) -> DependencyGraph:
@@ -155,3 +156,25 @@ def default_final_layers(tracer: Tracer) -> List[str]:
         if not bool(hits.any()):
             return [mname]
     return []
+
+
+def read_values(reads: List[Tuple[Tensor, Optional[Tensor]]], n: int) -> Optional[Tensor]:
+    """Per channel id: the constant every read of it saw (NaN when unread, unknown or not the same
+    in every read); None when no read saw a constant (the common, unmasked case)."""
+    if not any(v is not None for _, v in reads):
+        return None
+    ids = torch.cat([i.reshape(-1) for i, _ in reads])
+    vals = torch.cat([
+        v.reshape(-1) if v is not None else torch.full((i.numel(),), float("nan"), dtype=torch.float64) for i, v in reads
+    ])
+    keep = ids >= 0
+    ids, vals = ids[keep], vals[keep]
+    nan = torch.isnan(vals)
+    bad = torch.zeros(n, dtype=torch.bool).index_put_((ids,), nan, accumulate=True)
+    clean = torch.nan_to_num(vals)
+    lo = torch.full((n,), float("inf"), dtype=torch.float64).scatter_reduce(0, ids, clean, "amin")
+    hi = torch.full((n,), -float("inf"), dtype=torch.float64).scatter_reduce(0, ids, clean, "amax")
+    out = torch.full((n,), float("nan"), dtype=torch.float64)
+    ok = (lo == hi) & ~bad
+    out[ok] = lo[ok]
+    return out

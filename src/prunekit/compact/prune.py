@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -55,6 +56,8 @@ def prune_groups(
     exact: bool = True,
     generator: Optional[torch.Generator] = None,
     graph: Optional[DependencyGraph] = None,
+    uniform: bool = False,
+    gqa: str = "groups",
 ) -> List[GroupDecision]:
     """Mask the least important ``amount`` of every group of coupled channels/heads.
 
@@ -75,6 +78,12 @@ def prune_groups(
         graph: a :func:`build_dependency_graph` result for ``model`` to reuse (its
             ``ignored_layers``/``exact`` apply); pass the same graph to :func:`compact`
             to trace the model once for both calls.
+        uniform: remove the same number of units from every group of the same kind
+            (e.g. heads of every block, FFN neurons of every block: groups whose slots
+            have the same names up to layer numbers and the same size), so a compacted
+            Hugging Face model keeps one config (see :func:`compact`). With ``scope="global"``
+            each kind loses the mean of what its groups would have lost.
+        gqa: units of grouped-query attention, see :func:`build_dependency_graph`.
 
     Example:
         >>> import torch
@@ -96,7 +105,7 @@ def prune_groups(
         raise ValueError(f"round_to must be a positive int or None, got {round_to!r}")
     as_group_scorer(importance)  # an unknown or unusable criterion fails before any tracing
     if graph is None:
-        graph = build_dependency_graph(model, example_inputs, ignored_layers=ignored_layers, exact=exact)
+        graph = build_dependency_graph(model, example_inputs, ignored_layers=ignored_layers, exact=exact, gqa=gqa)
     else:
         check_graph(graph, model, ignored_layers)
     groups = graph.prunable_groups()
@@ -112,6 +121,8 @@ def prune_groups(
         owner = torch.repeat_interleave(torch.arange(len(groups)), sizes)
         lowest = torch.argsort(flat, stable=True)[:k]
         counts = torch.bincount(owner[lowest], minlength=len(groups)).tolist()
+    if uniform:
+        counts = _uniform_counts(groups, counts)
     for g, s, c in zip(groups, scores, counts):
         n = len(g.units)
         keep = _keep_count(n, c, g.units[0].width(), round_to)
@@ -119,6 +130,33 @@ def prune_groups(
         decisions.append(GroupDecision(g, sorted(order[: n - keep].tolist()), n))
     _write_masks(graph, decisions)
     return decisions
+
+
+def group_kind(group: Group) -> Tuple[Any, ...]:
+    """What a group is, up to its block: slot names with numbers replaced, and its unit count.
+
+    Example:
+        >>> import torch
+        >>> from prunekit.compact import build_dependency_graph
+        >>> from prunekit.compact.prune import group_kind
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> group_kind(build_dependency_graph(m, torch.randn(1, 4)).prunable_groups()[0])
+        ((('#', 'out'), ('#', 'in')), 8)
+    """
+    names = tuple((re.sub(r"\d+", "#", m), s) for m, s in group.slots)
+    return tuple(sorted(set(names), key=names.index)), len(group.units)
+
+
+def _uniform_counts(groups: List[Group], counts: List[int]) -> List[int]:
+    by_kind: Dict[Tuple[Any, ...], List[int]] = {}
+    for i, g in enumerate(groups):
+        by_kind.setdefault(group_kind(g), []).append(i)
+    out = list(counts)
+    for members in by_kind.values():
+        c = int(round(sum(counts[i] for i in members) / len(members)))
+        for i in members:
+            out[i] = c
+    return out
 
 
 def _write_masks(graph: DependencyGraph, decisions: List[GroupDecision]) -> None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -126,6 +126,15 @@ class DependencyGraph:
     slots: Dict[Tuple[str, str], SlotInfo]
     handlers: Dict[str, "ModuleHandler"]  # module name -> handler
     ignored: Tuple[str, ...] = ()
+    options: Dict[str, Any] = field(default_factory=dict)  # build_dependency_graph's choices (gqa)
+    #: per channel id: the constant its reader sees (NaN: unknown); None when masks made nothing constant
+    read_values: Optional[Tensor] = None
+
+    def reads(self, mname: str, sname: str, idx: Tensor) -> Optional[Tensor]:
+        """The constants reader slot ``(mname, sname)`` sees at indices ``idx`` (NaN: unknown), or None."""
+        if self.read_values is None:
+            return None
+        return self.read_values[self.slots[(mname, sname)].start + idx]
 
     def prunable_groups(self) -> List[Group]:
         return [g for g in self.groups if g.prunable]

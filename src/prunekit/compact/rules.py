@@ -14,8 +14,15 @@ import torch
 from torch import Tensor
 
 from . import shadows as lbl
+from .consts import ConstMap, apply_pointwise, by_label, keep_zeros, lookup, merge
 from .errors import TraceError
+from .ops import base_name
 from .ops import CAT, HARMLESS_MUTATORS, MATMUL, MULTI, POINTWISE, POOL, REDUCE, SAME, SAME_LABELS, SHAPE, SOFTMAX, op_name, tensors_in
+
+_SAME_VALUE_REDUCTIONS = frozenset({"mean", "nanmean", "amax", "amin", "max", "min"})
+_PRODUCTS = frozenset({"mul", "__mul__", "__rmul__", "__imul__"})
+_NUMERATOR_ONLY = frozenset({"div", "true_divide", "__truediv__", "__itruediv__", "__div__"})
+_ZERO_KEEPING = _PRODUCTS | _NUMERATOR_ONLY
 
 if TYPE_CHECKING:  # pragma: no cover
     from .unionfind import UnionFind
@@ -33,6 +40,7 @@ class OpRules:
     uf: "UnionFind"
     last_op: str
     where: str
+    consts: Dict[int, Any]
 
     def on_op(self, func: Any, args: tuple, kwargs: dict, out: Any, name: Optional[str] = None) -> None:
         if name is None:
@@ -47,6 +55,8 @@ class OpRules:
                 return  # not a channel tensor: nothing to record
             if out.shape == x.shape:
                 self.set_shadow(out, entry[1], core=entry[2], labeled=True)
+                if self.consts and self.consts_of(x) is not None:
+                    self._consts_pointwise(name, func, args, kwargs, out)
                 return
         ins = [t for t in tensors_in((args, kwargs)) if self.shadow(t) is not None]
         if not ins:
@@ -85,11 +95,75 @@ class OpRules:
                 return  # a query (size, dim, item, ...) on a channel tensor: harmless
             else:
                 self._unknown(name, ins, outs)
+            if self.consts:
+                self._propagate_consts(base, name, func, args, kwargs, out, outs)
         except TraceError:
             raise
         except Exception as exc:  # a rule failed on an unusual call: be conservative
             logger.debug("shadow rule for %s failed: %s", name, exc)
             self._unknown(name, ins, outs)
+
+    # ---- constants (mask propagation): see prunekit.compact.consts
+    def _propagate_consts(self, base: str, name: str, func: Any, args: tuple, kwargs: dict, out: Any, outs: List[Tensor]) -> None:
+        known = [cm for cm in map(self.consts_of, tensors_in((args, kwargs))) if cm is not None]
+        if not known or not outs:
+            return
+        if base in POINTWISE:
+            self._consts_pointwise(name, func, args, kwargs, out)
+            return
+        cm: Optional[ConstMap] = None
+        if base in SAME or base in SHAPE or base in MULTI or base in CAT:
+            cm = merge(*known)  # elements move, values stay
+        elif base in REDUCE:
+            cm = merge(*known) if base in _SAME_VALUE_REDUCTIONS else (None if base == "logsumexp" else keep_zeros(merge(*known)))
+        elif base in POOL:
+            cm = merge(*known) if base.startswith(("max", "adaptive", "interpolate", "upsample", "_max")) else keep_zeros(merge(*known))
+        elif base in MATMUL or base == "scaled_dot_product_attention":
+            cm = keep_zeros(merge(*known))  # weighted sums of zeros
+        if cm is None:
+            return
+        for o in outs:
+            if self.shadow(o) is not None:
+                self.set_consts(o, cm)
+
+    def _consts_pointwise(self, name: str, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        if not isinstance(out, Tensor) or self.shadow(out) is None:
+            return
+        operands = [("arg", i, a) for i, a in enumerate(args) if isinstance(a, Tensor)]
+        operands += [("kw", k, v) for k, v in kwargs.items() if isinstance(v, Tensor)]
+        labeled = [op for op in operands if self.shadow(op[2]) is not None]
+        others = [op for op in operands if self.shadow(op[2]) is None]
+        base = base_name(name)
+        zero_kept = base in _ZERO_KEEPING
+        if len(labeled) == 1 and all(t.numel() == 1 for _, _, t in others):
+            where, key, t = labeled[0]
+            cm = self.consts_of(t)
+            if cm is None:
+                return
+            vals = apply_pointwise(func, args, kwargs, [(where, key)], [cm[1].to(t.dtype)])
+            if vals is None:
+                return
+            ok = ~torch.isnan(vals)
+            self.set_consts(out, (cm[0][ok], vals[ok]) if bool(ok.any()) else None)
+        elif len(labeled) == 1:  # with a tensor that varies: x * mask keeps zeros at most
+            cm = self.consts_of(labeled[0][2])
+            if zero_kept and (base not in _NUMERATOR_ONLY or labeled[0][:2] == ("arg", 0)):
+                self.set_consts(out, keep_zeros(cm))
+        elif len(labeled) == 2 and not others:
+            (wa, ka, a), (wb, kb, b) = labeled
+            sa, sb = self.shadow(a), self.shadow(b)
+            shape = out.shape
+            full = [s.expand(shape) if s.shape != shape else s for s in (sa, sb)]
+            ca, cb = (c.reshape(-1) for c in lbl.squeeze_constant(*full))
+            va, vb = lookup(self.consts_of(a), ca), lookup(self.consts_of(b), cb)
+            if base in _PRODUCTS:
+                res = va * vb
+                res[(va == 0) | (vb == 0)] = 0.0  # zero times anything finite
+            else:
+                res = apply_pointwise(func, args, kwargs, [(wa, ka), (wb, kb)], [va.to(a.dtype), vb.to(b.dtype)])
+                if res is None:
+                    return
+            self.set_consts(out, by_label(torch.where(ca >= 0, ca, cb), res))
 
     def _unknown(self, name: str, ins: List[Tensor], outs: List[Tensor]) -> None:
         reason = f"op '{name}' in module '{self.where}' is not understood by the channel tracer"

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from . import shadows as lbl
+from .consts import ConstMap, from_slot, lookup
 from .errors import TraceError
 from .inputs import flatten_output, split_inputs
 from .ops import op_name, tensors_in
@@ -38,10 +39,11 @@ class Tracer(OpRules):
     :meth:`tie`, :meth:`block` and :meth:`shadow`.
     """
 
-    def __init__(self, model: nn.Module, registry: Any, exact: bool = True) -> None:
+    def __init__(self, model: nn.Module, registry: Any, exact: bool = True, options: Optional[Dict[str, Any]] = None) -> None:
         self.model = model
         self.registry = registry
         self.exact = exact
+        self.options: Dict[str, Any] = dict(options or {})
         self.uf = UnionFind()
         self.shadows: Dict[int, Tuple[Tensor, Tensor]] = {}
         self.slots: Dict[Tuple[str, str], SlotInfo] = {}
@@ -55,6 +57,9 @@ class Tracer(OpRules):
         self.leaf_depth = 0
         self.last_op = ""
         self.order: List[str] = []
+        # constants: id(tensor) -> (weak ref, ConstMap); reads: every bind's (ids, values or None)
+        self.consts: Dict[int, Tuple[Any, ConstMap]] = {}
+        self.reads: List[Tuple[Tensor, Optional[Tensor]]] = []
 
     # ---- handler API
     @property
@@ -96,6 +101,46 @@ class Tracer(OpRules):
             return None
         return entry
 
+    def consts_of(self, t: Any) -> Optional[ConstMap]:
+        """What is known constant about ``t``'s channels (see :mod:`prunekit.compact.consts`)."""
+        if not self.consts or not isinstance(t, Tensor):
+            return None
+        entry = self.consts.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        return entry[1]
+
+    def set_consts(self, t: Tensor, cm: Optional[ConstMap]) -> None:
+        key = id(t)
+        if cm is None or cm[0].numel() == 0:
+            self.consts.pop(key, None)
+            return
+        consts = self.consts
+
+        def _gone(ref: Any, key: int = key) -> None:
+            e = consts.get(key)
+            if e is not None and e[0] is ref:
+                del consts[key]
+
+        self.consts[key] = (weakref.ref(t, _gone), cm)
+
+    def values_in(self, x: Any, dim: int) -> Optional[Tensor]:
+        """Per index of dimension ``dim`` of input ``x``: its constant value, NaN if unknown
+        (None when nothing about ``x`` is known). For handlers that compute their outputs' constants."""
+        cm = self.consts_of(x)
+        if cm is None:
+            return None
+        entry = self.entry_of(x)
+        if entry is None:
+            return None
+        dim = dim % x.dim()
+        s = entry[2]
+        if s.shape[dim] != x.shape[dim]:
+            s = s.expand(tuple(x.shape[dim] if i == dim else n for i, n in enumerate(s.shape)))
+        if s.numel() != x.shape[dim]:
+            return None  # labels vary along other dims too
+        return lookup(cm, s.reshape(-1))
+
     def set_shadow(
         self, t: Tensor, s: Optional[Tensor], canonical: bool = False, labeled: bool = False, core: Optional[Tensor] = None
     ) -> None:
@@ -105,6 +150,8 @@ class Tracer(OpRules):
         ``core``: its core, if known (implies canonical).
         """
         key = id(t)
+        if self.consts:
+            self.consts.pop(key, None)
         if s is None:
             self.shadows.pop(key, None)
             return
@@ -166,19 +213,37 @@ class Tracer(OpRules):
             s = s.reshape(-1)
             fixed = s
             self.uf.union_rows(s, ids)
+            cm = self.consts_of(x) if self.consts else None
+            self.reads.append((ids, None if cm is None else lookup(cm, s)))
         else:
             s = torch.unique(s.movedim(dim, -1).reshape(-1, ids.numel()), dim=0)
             pairs = torch.stack([s, ids.view(1, -1).expand_as(s)], dim=-1).reshape(-1, 2)
             fixed = pairs[:, 0]
+            self.reads.append((pairs[:, 1], None))  # several labels per index: nothing is known
             ids = pairs[:, 1]
             self.uf.union_pairs(pairs)
         # channels fed by a fixed (unlabeled) value cannot go
         self.uf.block(ids, f"input of module '{self.where}' mixes prunable and fixed channels", where_negative=fixed)
 
-    def emit(self, out: Any, dim: int, ids: Tensor) -> None:
-        """Label dimension ``dim`` of output ``out`` with a producer slot's ids."""
+    def read(self, ids: Tensor, values: Optional[Tensor]) -> None:
+        """Record the constants a reader slot sees without a bind (see :class:`~prunekit.compact.handlers.TracerAPI`)."""
+        self.reads.append((ids.reshape(-1), None if values is None else values.to(torch.float64).reshape(-1)))
+
+    def emit(self, out: Any, dim: int, ids: Tensor, values: Optional[Tensor] = None) -> None:
+        """Label dimension ``dim`` of output ``out`` with a producer slot's ids.
+
+        ``values``: per index, the constant every element of that channel provably holds
+        (NaN: not known), e.g. a Linear's bias where its weight rows are masked.
+        """
         if not isinstance(out, Tensor):
             return
+        if values is not None:
+            self._emit(out, dim, ids)
+            self.set_consts(out, from_slot(ids, values))
+            return
+        self._emit(out, dim, ids)
+
+    def _emit(self, out: Tensor, dim: int, ids: Tensor) -> None:
         dim = dim % out.dim()
         shape = [1] * out.dim()
         shape[dim] = ids.numel()

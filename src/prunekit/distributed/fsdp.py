@@ -92,6 +92,16 @@ _ENTRIES: Dict[_Key, Tuple["weakref.ref[nn.Module]", str]] = {}
 _STEP_HOOK: list = []
 
 
+def _zero_pruned(t: torch.Tensor, mask: torch.Tensor) -> None:
+    """``t`` set to zero where ``mask`` is zero, in place, without a float copy of a boolean mask."""
+    if mask.dtype == torch.bool:
+        t.masked_fill_(mask.logical_not(), 0)
+    elif mask.dtype == t.dtype:
+        t.mul_(mask)
+    else:
+        t.masked_fill_(mask == 0, 0)
+
+
 def mask_shard(module: nn.Module, name: str) -> None:
     """Set the pruned entries of this rank's shard of ``module.name_orig`` to zero."""
     orig = module._parameters.get(name + "_orig")
@@ -99,7 +109,7 @@ def mask_shard(module: nn.Module, name: str) -> None:
     if orig is None or mask is None or not is_dtensor(orig) or not is_dtensor(mask):
         return
     with torch.no_grad():
-        orig._local_tensor.mul_(mask._local_tensor)
+        _zero_pruned(orig._local_tensor, mask._local_tensor)
 
 
 def _mask_entries(keep: Any = None) -> None:
@@ -145,7 +155,7 @@ def _grad_hook(mref: "weakref.ref[nn.Module]", name: str):
         if mask is None or not is_dtensor(mask) or not is_dtensor(grad):
             return
         with torch.no_grad():
-            grad._local_tensor.mul_(mask._local_tensor)
+            _zero_pruned(grad._local_tensor, mask._local_tensor)
 
     return hook
 

@@ -70,10 +70,17 @@ def method_mask(method: Any, piece: Piece, scores: Tensor, existing: Optional[Te
     kind = kind_of(method)
     local = piece.local
     fdt = _float_dtype(local)
-    default = (torch.ones(local.shape, dtype=fdt, device=local.device) if existing is None
-               else existing.to(dtype=fdt, memory_format=torch.contiguous_format, copy=True))
+
+    def default() -> Tensor:  # the current mask as a float tensor of its own (made only when needed)
+        if existing is None:
+            return torch.ones(local.shape, dtype=fdt, device=local.device)
+        return existing.to(dtype=fdt, memory_format=torch.contiguous_format, copy=True)
+
+    def with_keep(keep: Tensor) -> Tensor:
+        return keep.to(fdt) if existing is None else existing.to(fdt) * keep
+
     if kind == "Identity":
-        return default
+        return default()
     if kind == "CustomFromMask":
         if method.mask is None:
             raise ValueError("this CustomFromMask was already applied; its mask lives in the module's name_mask buffer")
@@ -81,7 +88,7 @@ def method_mask(method: Any, piece: Piece, scores: Tensor, existing: Optional[Te
 
         given = to_local_like(method.mask, piece, "mask").to(local.device)
         if existing is not None:
-            return default * given
+            return existing.to(fdt) * given
         if getattr(method.mask, "_prunekit_owned", False) and given.is_contiguous():
             return given  # global_unstructured's own keep-mask: stored as it is, no copy
         return given.to(memory_format=torch.contiguous_format, copy=True)
@@ -91,11 +98,11 @@ def method_mask(method: Any, piece: Piece, scores: Tensor, existing: Optional[Te
         ranked = scores if scorer is None else scorer.ranking_input(scores)
         keep = keep_mask_smallest_sharded([ranked], [piece.spec], piece.comm,
                                           lambda n: _count(method.amount, n), [eligible])[0]
-        return default * keep
+        return with_keep(keep)
     if kind == "RandomUnstructured":
-        return _random_unstructured(method, piece, existing, default)
+        return _random_unstructured(method, piece, existing, default())
     if kind in ("LnStructured", "RandomStructured"):
-        return _structured(method, kind, piece, scores, existing, default)
+        return _structured(method, kind, piece, scores, existing, default())
     raise TypeError(
         f"{type(method).__name__} has no sharded implementation: prunekit.distributed prunes DTensor shards with "
         f"the built-in methods ({', '.join(_KINDS)}). Compute your mask and apply it with "

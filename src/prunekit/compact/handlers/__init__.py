@@ -3,10 +3,14 @@
 :mod:`.base` holds the interface (:class:`Slot`, :class:`Entry`, :class:`ModuleHandler`,
 :class:`TracerAPI`, :func:`register_handler`); the other modules register the built-in
 handlers when this package is imported: :mod:`.torch_nn` (Linear, Conv, norms,
-Embedding) and :mod:`.attention` (``nn.MultiheadAttention``, Hugging Face attention).
+Embedding), :mod:`.attention` (``nn.MultiheadAttention``, BERT-style self-attention),
+:mod:`.projection_attention` (Llama/Mistral/Qwen2 GQA, ViT, DistilBERT, T5, GPT-2,
+cross-attention) and :mod:`.hf_layers` (GPT-2's ``Conv1D``, RMS norms).
 """
 
 from .attention import BertSelfAttentionHandler, MultiheadAttentionHandler
+from .hf_layers import Conv1DHandler, RMSNormHandler
+from .projection_attention import Layout, ProjectionAttentionHandler, layout_of
 from .base import REGISTRY, Entry, HandlerRegistry, ModuleHandler, Slot, TracerAPI, register_handler
 from .torch_nn import (
     BatchNormHandler,
@@ -20,17 +24,22 @@ from .torch_nn import (
 __all__ = [
     "BatchNormHandler",
     "BertSelfAttentionHandler",
+    "Conv1DHandler",
     "ConvHandler",
     "EmbeddingHandler",
     "Entry",
     "GroupNormHandler",
     "HandlerRegistry",
     "LayerNormHandler",
+    "Layout",
     "LinearHandler",
     "ModuleHandler",
     "MultiheadAttentionHandler",
+    "ProjectionAttentionHandler",
     "REGISTRY",
+    "RMSNormHandler",
     "Slot",
     "TracerAPI",
+    "layout_of",
     "register_handler",
 ]

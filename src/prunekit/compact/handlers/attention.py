@@ -7,6 +7,8 @@ from typing import Any, Dict
 from torch import nn
 
 from .base import Entry, ModuleHandler, Slot, arg, first, has_tensor, register_handler
+from .constants import affine_row_values
+from .projection_attention import cache_is_fresh
 
 __all__ = ["BertSelfAttentionHandler", "MultiheadAttentionHandler"]
 
@@ -49,10 +51,23 @@ class MultiheadAttentionHandler(ModuleHandler):
             return
         for i, key in enumerate(("query", "key", "value")):
             tracer.bind(arg(args, kwargs, i, key), -1, ids_in)
-        tracer.emit(first(output), -1, ids_out)
+        inner = self._inner(m)
+        # a head dim whose value rows are masked carries its value bias (attention averages a constant)
+        v = affine_row_values(m, "in_proj_weight", "in_proj_bias" if has_tensor(m, "in_proj_bias") else None, None)
+        ctx = None if v is None else v[2 * inner:]
+        tracer.read(ids_h, ctx)
+        out_b = "out_proj.bias" if has_tensor(m, "out_proj.bias") else None
+        tracer.emit(first(output), -1, ids_out, affine_row_values(m, "out_proj.weight", out_b, ctx))
 
     def attrs(self, m, sizes):
         return {}
+
+    def fold_constant(self, m, slot):
+        if slot == "in" and has_tensor(m, "in_proj_bias"):
+            return [("in_proj_weight", 1, 0, "in_proj_bias")]
+        if slot == "heads" and has_tensor(m, "out_proj.bias"):
+            return [("out_proj.weight", 1, 0, "out_proj.bias")]
+        return "nn.MultiheadAttention without biases cannot take a constant"
 
     def convert(self, m, sizes):
         from ..modules import PrunedMultiheadAttention
@@ -62,7 +77,9 @@ class MultiheadAttentionHandler(ModuleHandler):
 
 def _is_bert_self_attention(m: nn.Module) -> bool:
     return (
-        all(isinstance(getattr(m, k, None), nn.Linear) for k in ("query", "key", "value"))
+        "query" in m._modules
+        and "CrossAttention" not in type(m).__name__  # cross-attention: projection_attention's handler
+        and all(isinstance(getattr(m, k, None), nn.Linear) for k in ("query", "key", "value"))
         and isinstance(getattr(m, "num_attention_heads", None), int)
         and isinstance(getattr(m, "attention_head_size", None), int)
         and isinstance(getattr(m, "all_head_size", None), int)
@@ -93,10 +110,19 @@ class BertSelfAttentionHandler(ModuleHandler):
 
     def trace(self, m, name, tracer, args, kwargs, output):
         ids_in, ids_h = tracer.slot(name, "in"), tracer.slot(name, "heads")
-        tracer.bind(arg(args, kwargs, 0, "hidden_states"), -1, ids_in)
-        if kwargs.get("encoder_hidden_states") is not None or kwargs.get("past_key_value") is not None:
+        x = arg(args, kwargs, 0, "hidden_states")
+        tracer.bind(x, -1, ids_in)
+        cached = [k for k in ("past_key_value", "past_key_values", "cache") if kwargs.get(k) is not None
+                  and not cache_is_fresh(kwargs[k], m, x, None)]
+        if kwargs.get("encoder_hidden_states") is not None or cached:
             tracer.block(ids_h, f"cross-attention or cached keys in '{name}' are not supported")
-        tracer.emit(first(output), -1, ids_h)
+        bias = "value.bias" if has_tensor(m, "value.bias") else None
+        tracer.emit(first(output), -1, ids_h, affine_row_values(m, "value.weight", bias, None))
+
+    def fold_constant(self, m, slot):
+        if slot == "in" and all(has_tensor(m, f"{k}.bias") for k in ("query", "key", "value")):
+            return [(f"{k}.weight", 1, 0, f"{k}.bias") for k in ("query", "key", "value")]
+        return "BERT self-attention without biases cannot take a constant"
 
     def attrs(self, m, sizes):
         n_in, n_h = sizes["in"], sizes["heads"]

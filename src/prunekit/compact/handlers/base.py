@@ -87,6 +87,8 @@ class TracerAPI(Protocol):
 
     #: False when the user allows inexact pruning (e.g. through a LayerNorm)
     exact: bool
+    #: choices passed to build_dependency_graph, e.g. ``{"gqa": "groups"}``
+    options: Dict[str, Any]
 
     @property
     def where(self) -> str:
@@ -98,8 +100,16 @@ class TracerAPI(Protocol):
     def bind(self, x: Any, dim: int, ids: Tensor) -> None:
         """Couple dimension ``dim`` of the input tensor ``x`` with ``ids`` (a consumer reads them)."""
 
-    def emit(self, out: Any, dim: int, ids: Tensor) -> None:
-        """Label dimension ``dim`` of the output tensor ``out`` with ``ids`` (a producer writes them)."""
+    def emit(self, out: Any, dim: int, ids: Tensor, values: Optional[Tensor] = None) -> None:
+        """Label dimension ``dim`` of the output tensor ``out`` with ``ids`` (a producer writes them);
+        ``values``: per index, the constant that channel provably holds (NaN: unknown)."""
+
+    def values_in(self, x: Any, dim: int) -> Optional[Tensor]:
+        """Per index of dimension ``dim`` of input ``x``: its provable constant (NaN: unknown), or None."""
+
+    def read(self, ids: Tensor, values: Optional[Tensor]) -> None:
+        """Record that the reader slot ``ids`` sees these constant ``values`` (for inputs not
+        passed through :meth:`bind`, e.g. the context vectors an attention module feeds its own output projection)."""
 
     def tie(self, ids: Tensor) -> None:
         """Make every row of a 2-D id tensor one unit (removed together)."""
@@ -142,6 +152,12 @@ class ModuleHandler(abc.ABC):
     def attrs(self, module: nn.Module, sizes: Dict[str, int]) -> Dict[str, Any]:
         """New attribute values (dotted paths allowed) once slot sizes become ``sizes``."""
         return {}
+
+    def fold_constant(self, module: nn.Module, slot: str) -> Union[str, List[Tuple[str, int, int, str]]]:
+        """How a constant arriving at input slot ``slot`` folds into biases: a list of
+        ``(weight path, input axis, output axis, bias path)`` (``bias[o] += sum(weight[o, j, ...] * c_j)``),
+        or a sentence saying why it cannot (the default)."""
+        return f"{type(module).__name__} has no rule to fold a constant input into a bias"
 
     def convert(self, module: nn.Module, sizes: Dict[str, int]) -> Optional[nn.Module]:
         """Return a replacement module (sharing the same Parameters), or None to keep ``module``."""

@@ -1,0 +1,128 @@
+"""Keep a compacted Hugging Face model a Hugging Face model: its config follows its new shapes.
+
+After compaction every block may have fewer attention heads and feed-forward neurons.
+When every block has the same sizes (``prune_groups(..., uniform=True)``, or local
+pruning of equal blocks) and the family's config can express them, the model's
+``config`` is updated (``intermediate_size``, ``num_attention_heads``,
+``num_key_value_heads``, ``head_dim``, ...), so ``save_pretrained`` writes a model
+that ``from_pretrained`` loads without prunekit. Otherwise the config is left as it
+was and the reason is recorded in the compaction description (use
+:func:`~prunekit.compact.save_compacted` for such models).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from torch import nn
+
+from .handlers.projection_attention import layout_of
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FAMILIES", "HFFamily", "updated_config"]
+
+
+@dataclass(frozen=True)
+class HFFamily:
+    """Which config keys hold a family's block sizes, and where the modules are."""
+
+    ffn_key: str
+    ffn_modules: Tuple[str, ...]  # regexes of the first FFN layers (their output size is the FFN size)
+    heads_key: str
+    kv_heads_key: Optional[str] = None
+    head_dim_key: Optional[str] = None  # None: the head size is derived from hidden_size / heads
+    attention: str = r"(self_attn|attention|attn|SelfAttention)$"
+
+
+_LLAMA = HFFamily("intermediate_size", (r"mlp\.gate_proj$", r"mlp\.up_proj$"), "num_attention_heads",
+                  "num_key_value_heads", "head_dim", r"self_attn$")
+#: model_type -> family; add an entry to support another family
+FAMILIES: Dict[str, HFFamily] = {
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA,
+    "vit": HFFamily("intermediate_size", (r"mlp\.fc1$", r"intermediate\.dense$"), "num_attention_heads",
+                    head_dim_key="head_dim", attention=r"attention$"),
+    "bert": HFFamily("intermediate_size", (r"intermediate\.dense$",), "num_attention_heads", attention=r"attention\.self$"),
+    "roberta": HFFamily("intermediate_size", (r"intermediate\.dense$",), "num_attention_heads",
+                        attention=r"attention\.self$"),
+    "distilbert": HFFamily("hidden_dim", (r"ffn\.lin1$",), "n_heads", attention=r"\.attention$"),
+    "t5": HFFamily("d_ff", (r"DenseReluDense\.wi$", r"DenseReluDense\.wi_0$", r"DenseReluDense\.wi_1$"), "num_heads",
+                   head_dim_key="d_kv", attention=r"layer\.0\.SelfAttention$"),
+    "gpt2": HFFamily("n_inner", (r"mlp\.c_fc$",), "n_head", attention=r"\.attn$"),
+}
+
+
+def _out_features(m: nn.Module) -> Optional[int]:
+    for attr in ("out_features", "nf"):
+        v = getattr(m, attr, None)
+        if isinstance(v, int):
+            return v
+    return None
+
+
+def _heads(m: nn.Module) -> Optional[Tuple[int, int, int]]:
+    lay = layout_of(m)
+    if lay is not None:
+        return lay.heads, lay.kv_heads, lay.qk_dim
+    n, d = getattr(m, "num_attention_heads", None), getattr(m, "attention_head_size", None)
+    if isinstance(n, int) and isinstance(d, int):  # BERT-style self-attention
+        return n, n, d
+    return None
+
+
+def _one(values: List[int], what: str) -> int:
+    if not values:
+        raise LookupError(f"no {what} found")
+    if len(set(values)) != 1:
+        raise LookupError(f"{what} differs between blocks ({sorted(set(values))}): not uniform")
+    return values[0]
+
+
+def updated_config(model: nn.Module) -> Tuple[Optional[Any], str]:
+    """``(new config, "")`` for a compacted Hugging Face model, or ``(None, reason)``.
+
+    The returned config is a copy; nothing is changed here.
+
+    Example:
+        >>> import torch
+        >>> updated_config(torch.nn.Linear(2, 2))
+        (None, 'not a Hugging Face model (no config.model_type)')
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if not isinstance(model_type, str) or not hasattr(config, "to_dict"):
+        return None, "not a Hugging Face model (no config.model_type)"
+    family = FAMILIES.get(model_type)
+    if family is None:
+        return None, f"config updates for model_type {model_type!r} are not known (add it to prunekit.compact.hf_config.FAMILIES)"
+    named = list(model.named_modules())
+    try:
+        ffn = _one([s for n, m in named if any(re.search(p, n) for p in family.ffn_modules)
+                    for s in [_out_features(m)] if s is not None], "feed-forward size")
+        heads = [h for n, m in named if re.search(family.attention, n) for h in [_heads(m)] if h is not None]
+        n_heads = _one([h[0] for h in heads], "number of attention heads")
+        kv_heads = _one([h[1] for h in heads], "number of key/value heads")
+        head_dim = _one([h[2] for h in heads], "head size")
+    except LookupError as exc:
+        return None, str(exc)
+    new = copy.deepcopy(config)
+    changes: Dict[str, int] = {family.ffn_key: ffn}
+    old_heads = getattr(config, family.heads_key)
+    if n_heads != old_heads or (family.kv_heads_key and kv_heads != getattr(config, family.kv_heads_key, kv_heads)):
+        if family.head_dim_key is None:
+            return None, (f"{model_type}'s config derives the head size from hidden_size / {family.heads_key}, so it "
+                          f"cannot say {n_heads} heads of {head_dim}; save with prunekit.compact.save_compacted")
+        changes[family.heads_key] = n_heads
+        changes[family.head_dim_key] = head_dim
+        if family.kv_heads_key:
+            changes[family.kv_heads_key] = kv_heads
+    for key, value in changes.items():
+        setattr(new, key, value)
+    logger.info("compact: %s config updated: %s", model_type, changes)
+    return new, ""
