@@ -7,15 +7,14 @@ dict of the model always see the current masks.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Optional
+from typing import Optional
 
 from torch import Tensor, nn
 
-from .._backend import TORCH, backend_of, is_tensor
+from .._backend import TORCH, backend_of
 from ..reparam import masked_product
 
-__all__ = ["is_reparametrized", "ensure_mask", "get_orig", "get_mask", "raw_weight", "effective_weight",
-           "optimizer_state_tensors"]
+__all__ = ["is_reparametrized", "ensure_mask", "get_orig", "get_mask", "raw_weight", "effective_weight"]
 
 
 def _custom_from_mask():
@@ -61,15 +60,3 @@ def ensure_mask(module: nn.Module, name: str = "weight", init: Optional[Tensor] 
 def effective_weight(module: nn.Module, name: str = "weight") -> Tensor:
     """``name_orig * name_mask`` detached (the weight the forward pass uses)."""
     return masked_product(get_orig(module, name).detach(), get_mask(module, name))
-
-
-def optimizer_state_tensors(optimizers: Iterable[Any], param: Tensor) -> List[Tensor]:
-    """Every per-entry optimizer state tensor of ``param`` (momentum, Adam's moments, ...):
-    the tensors in ``optimizer.state[param]`` with the parameter's shape (not ``step``)."""
-    out: List[Tensor] = []
-    for opt in optimizers:
-        state = opt.state.get(param)
-        if not state:
-            continue
-        out.extend(v for v in state.values() if is_tensor(v) and tuple(v.shape) == tuple(param.shape))
-    return out

@@ -219,10 +219,14 @@ class PruningCallbacks:
         return self
 
     def unwire(self) -> None:
-        """Remove the optimizer hooks (masks stay in the model)."""
+        """Remove the optimizer hooks (masks stay in the model); the optimizer state at pruned
+        entries is left exactly as clearing it leaves it (see :meth:`Pruner.release_optimizer_state`)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        with self._transaction():
+            for p in self.pruners:
+                p.release_optimizer_state()
 
     # ---------------------------------------------------------------- state and reports
     @property
