@@ -292,9 +292,11 @@ class Pruner:
         :class:`~prunekit.training.PruningCallbacks`) the outer one rolls back."""
         log = self._undo
         own = log is None
-        if own:
-            log = self._undo = UndoLog()
+        grad_mode = self._b.is_grad_enabled()
         try:
+            if own:
+                log = UndoLog()
+                self._undo = log
             if self._undo_joined is not log:
                 self._undo_joined = log
                 saved = {k: getattr(self, k) for k in self._SCALARS}
@@ -309,14 +311,16 @@ class Pruner:
 
                 log.add(restore)
             yield log
+            if own:  # the commit: inside the try, so an interrupt on this line rolls back too
+                self._undo = self._undo_joined = None
         except BaseException:
             if own:
-                log.rollback()
+                if log is not None:
+                    log.rollback()
+                self._undo = self._undo_joined = None
+                # an interrupt between a `with no_grad()`'s __enter__ and its block skips __exit__
+                self._b.ns.set_grad_enabled(grad_mode)
             raise
-        finally:
-            if own:
-                self._undo = None
-                self._undo_joined = None
 
     # ------------------------------------------------------------------ set-up helpers
     def make_criterion(self) -> Criterion:
