@@ -21,6 +21,7 @@ Run: python benchmarks/bench_training.py [--quick] [--overhead]
 
 import argparse
 import copy
+import os
 import statistics
 import time
 
@@ -103,7 +104,8 @@ def overhead(quick: bool) -> None:
     kinds = ["unpruned", "prunekit", "torch.nn.utils.prune", "pruner, after end_step"]
     optimizers = {"SGD-momentum": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
                   "Adam": lambda p: torch.optim.Adam(p, lr=1e-3)}
-    print(f"per-step time against the unpruned model ({len(batches)} steps each, interleaved, medians)")
+    print(f"per-step time against the unpruned model ({len(batches)} steps each, interleaved, medians); "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"{'optimizer':<14}" + "".join(f"{k:>24}" for k in kinds))
     for opt_name, make_opt in optimizers.items():
         models = {k: variant(k, make_opt) for k in kinds}
@@ -115,6 +117,7 @@ def overhead(quick: bool) -> None:
                 times[k] += finetune(*models[k], batches[i:i + 10])
         base = statistics.median(times["unpruned"])
         print(f"{opt_name:<14}" + "".join(f"{statistics.median(times[k]) / base:>23.3f}x" for k in kinds))
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 def main():

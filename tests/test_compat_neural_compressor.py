@@ -15,6 +15,15 @@ from prunekit.kernels.patterns import get_pattern
 from prunekit.training.schedules import get_scheduler
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small models: one intra-op thread is as fast and spends a quarter of the CPU on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # ------------------------------------------------------------------ a ResNet-18-shaped model
 class BasicBlock(nn.Module):
     def __init__(self, cin, cout, stride):

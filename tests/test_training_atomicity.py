@@ -3,6 +3,9 @@ included, the model (parameters, buffers, hooks, classes), the gradients, the op
 step hooks) and the pruners' own state are bit for bit what they were; a retry then gives what an
 uninterrupted run gives."""
 
+import os
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -10,6 +13,15 @@ from torch import nn
 import prunekit as prune
 from prunekit.training import PruningCallbacks, prepare_pruning
 from prunekit.training import pruners as pruners_mod
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small models: one intra-op thread is as fast and spends a quarter of the CPU on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def bits(t):
@@ -146,7 +158,7 @@ def test_prepare_pruning_interrupted_anywhere_changes_nothing(monkeypatch):
 
 STEP_POINTS = [(pruners_mod.Pruner, "_set_mask"), (pruners_mod, "zero_where_"), (pruners_mod, "select_lowest"),
                (pruners_mod.Pruner, "update_scores"), (pruners_mod.Pruner, "update_masks"),
-               (pruners_mod, "_optimizer_state_tensors")]
+               (pruners_mod, "clear_pruned_state_"), (pruners_mod, "fill_second_moments_")]
 
 
 def _phase(mp_factory, cb, model, opt, event, point, counter):
@@ -236,3 +248,78 @@ def test_load_state_dict_is_all_or_nothing():
     cb2.load_state_dict(state)
     for n in ("0", "2", "4"):
         assert torch.equal(model2.get_submodule(n).weight_mask, model.get_submodule(n).weight_mask)
+
+
+# ------------------------------------------------------------------ an interrupt at any line
+PRUNEKIT_DIR = os.path.dirname(prune.__file__) + os.sep
+
+
+def _run_interrupted(fn, at):
+    """Run ``fn()`` raising a KeyboardInterrupt before the ``at``-th line executed in prunekit's sources
+    (``at=None``: only count them). Returns the number of lines seen."""
+    seen = [0]
+
+    def local(frame, event, arg):
+        if event == "line":
+            seen[0] += 1
+            if seen[0] == at:
+                raise Boom(f"line {at}: {frame.f_code.co_filename}:{frame.f_lineno}")
+        return local
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code.co_filename.startswith(PRUNEKIT_DIR) else None
+
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return seen[0]
+
+
+def _points(total, count=40):
+    return sorted({1 + round(i * (total - 1) / (count - 1)) for i in range(count)})
+
+
+def _step_env():
+    """An Adam-trained model mid-schedule, gradients ready: the next on_step_end updates masks."""
+    model, opt = model_and_opt()
+    cb = prepare_pruning(model, dict(CONFIG, start_step=0, end_step=4, update_frequency_on_step=2), opt)
+    for s in range(2):
+        train_step(model, opt, s)
+        opt.step()
+    train_step(model, opt, 2)
+    cb.pruners[0].on_before_optimizer_step()  # scores for this step (the optimizer is not stepped here)
+    cb.unwire()
+    cb.attach_optimizer(opt)
+    return model, opt, cb
+
+
+@pytest.mark.parametrize("what", ["prepare_pruning", "on_step_end", "load_state_dict"])
+def test_an_interrupt_at_any_line_changes_nothing(what):
+    def env():
+        if what == "prepare_pruning":
+            model, opt = prepared_model()
+            return model, opt, None, lambda: prepare_pruning(model, CONFIG, opt)
+        model, opt, cb = _step_env()
+        if what == "on_step_end":
+            return model, opt, cb, cb.on_step_end
+        other, other_opt, other_cb = _step_env()
+        other_cb.on_step_end()
+        state = other_cb.state_dict()
+        return model, opt, cb, lambda: cb.load_state_dict(state)
+
+    model, opt, cb, call = env()
+    total = _run_interrupted(call, None)
+    assert total > 50
+    interrupted = 0
+    for at in _points(total):
+        model, opt, cb, call = env()
+        before = snapshot(model, opt, cb)
+        try:
+            _run_interrupted(call, at)
+        except Boom:
+            interrupted += 1
+            assert_same(before, snapshot(model, opt, cb))
+            assert torch.is_grad_enabled()  # even when the interrupt skipped a `with no_grad()`'s __exit__
+    assert interrupted >= 30

@@ -760,9 +760,10 @@ class Pruning:
 
     def on_step_end(self) -> None:
         cb = self._cb()
-        cb.call_event("on_step_end")
-        if cb.optimizer is None:
-            cb.call_event("mask_weights")
+        with cb.transaction():  # both or neither
+            cb.call_event("on_step_end")
+            if cb.optimizer is None:
+                cb.call_event("mask_weights")
 
     def on_epoch_end(self) -> None:
         self._cb().call_event("on_epoch_end")

@@ -43,6 +43,7 @@ from .. import _sharded
 from .._backend import TORCH, Backend, FrameworkMismatchError, backend_of, is_module, is_tensor
 from .. import reparam
 from ..reparam import Snapshot
+from ._optim import clear_pruned_state_, fill_second_moments_, release_second_moments_
 from ._undo import UndoLog, zero_where_
 from .allocation import check_feasible, global_counts, local_counts
 from .config import PrunerConfig
@@ -186,18 +187,6 @@ def _ensure_mask(module: nn.Module, name: str, init: Optional[Tensor] = None) ->
     return reparam.get_mask(module, name)
 
 
-def _optimizer_state_tensors(optimizers: List[Any], param: Tensor) -> List[Tensor]:
-    """Every per-entry optimizer state tensor of ``param`` (momentum, Adam's moments, ...):
-    the tensors in ``optimizer.state[param]`` with the parameter's shape (not ``step``)."""
-    out: List[Tensor] = []
-    for opt in optimizers:
-        state = opt.state.get(param)
-        if not state:
-            continue
-        out.extend(v for v in state.values() if is_tensor(v) and tuple(v.shape) == tuple(param.shape))
-    return out
-
-
 class Pruner:
     """Base pruner: prunes ``modules`` (``{name: module}``) as ``config`` says.
 
@@ -271,6 +260,10 @@ class Pruner:
         self._scored_step = -1
         self._undo: Optional[UndoLog] = None  # the open transaction (see _atomic)
         self._undo_joined: Optional[UndoLog] = None
+        # optimizer state at pruned entries (see _optim): to be filled at the next step end / refill step
+        self._state_pending = False
+        self._state_due: Optional[int] = None
+        self._state_filled = False
         # check that the target is reachable before touching any module
         initial = {n: self._initial_mask(n, m) for n, m in self.modules.items()}
         self._check_target(initial)
@@ -298,7 +291,8 @@ class Pruner:
             raise
 
     # ------------------------------------------------------------------ transactions
-    _SCALARS = ("global_step", "local_step", "epoch", "current_sparsity_ratio", "initial_sparsity", "_scored_step")
+    _SCALARS = ("global_step", "local_step", "epoch", "current_sparsity_ratio", "initial_sparsity", "_scored_step",
+                "_state_pending", "_state_due", "_state_filled")
 
     @contextmanager
     def _atomic(self) -> Iterator[UndoLog]:
@@ -308,9 +302,11 @@ class Pruner:
         :class:`~prunekit.training.PruningCallbacks`) the outer one rolls back."""
         log = self._undo
         own = log is None
-        if own:
-            log = self._undo = UndoLog()
+        grad_mode = self._b.is_grad_enabled()
         try:
+            if own:
+                log = UndoLog()
+                self._undo = log
             if self._undo_joined is not log:
                 self._undo_joined = log
                 saved = {k: getattr(self, k) for k in self._SCALARS}
@@ -325,14 +321,16 @@ class Pruner:
 
                 log.add(restore)
             yield log
+            if own:  # the commit: inside the try, so an interrupt on this line rolls back too
+                self._undo = self._undo_joined = None
         except BaseException:
             if own:
-                log.rollback()
+                if log is not None:
+                    log.rollback()
+                self._undo = self._undo_joined = None
+                # an interrupt between a `with no_grad()`'s __enter__ and its block skips __exit__
+                self._b.ns.set_grad_enabled(grad_mode)
             raise
-        finally:
-            if own:
-                self._undo = None
-                self._undo_joined = None
 
     # ------------------------------------------------------------------ set-up helpers
     def make_criterion(self) -> Criterion:
@@ -402,9 +400,46 @@ class Pruner:
         return zeros / total if total else 0.0
 
     def attach_optimizer(self, optimizer: Any) -> None:
-        """Clear this optimizer's state at pruned entries whenever a mask changes."""
+        """Clear this optimizer's state at pruned entries whenever a mask changes.
+
+        While attached, Adam-style second moments at pruned entries hold a tiny
+        positive number instead of zero (the update there is zero either way; zeros
+        make PyTorch's CPU ``sqrt`` slow): see :mod:`prunekit.training._optim`.
+        :meth:`release_optimizer_state` puts the zeros back."""
         if optimizer not in self.optimizers:
             self.optimizers.append(optimizer)
+        self._state_pending = True
+
+    def release_optimizer_state(self) -> None:
+        """Put back the plain zeros at pruned entries of Adam-style second moments (see
+        :meth:`attach_optimizer`); the optimizer state is then exactly what clearing alone gives."""
+        if not self.optimizers or not self._state_filled:
+            return
+        with self._atomic() as undo:
+            for n, m in self.modules.items():
+                release_second_moments_(self.optimizers, reparam.stored(m, self.weight_name), self.masks[n], undo)
+            self._state_pending = True
+            self._state_due = None
+            self._state_filled = False
+
+    def _maintain_optimizer_state(self, step: int) -> None:
+        """Fill the second moments of pruned entries the first time the optimizer has state for
+        them, and again before the value decays too far (every :func:`~._optim.refill_period` steps)."""
+        if not self.optimizers or not (self._state_pending or (self._state_due is not None and step >= self._state_due)):
+            return
+        with self._atomic() as undo:
+            period: Optional[int] = None
+            seen = False
+            for n, m in self.modules.items():
+                orig = reparam.stored(m, self.weight_name)
+                seen = seen or any(opt.state.get(orig) for opt in self.optimizers)
+                p = fill_second_moments_(self.optimizers, orig, self.masks[n], undo)
+                if p is not None:
+                    period = p if period is None else min(period, p)
+            self._state_due = None if period is None else step + period
+            self._state_filled = self._state_filled or period is not None
+            if seen:
+                self._state_pending = False
 
     # ------------------------------------------------------------------ callbacks
     def on_train_begin(self, dataloader: Any = None) -> None:
@@ -434,13 +469,16 @@ class Pruner:
     def on_step_end(self) -> None:
         """Update the masks when this is an update step, then advance ``global_step``."""
         step = self.global_step
-        if self.check_is_pruned_step(step):
+        update = self.check_is_pruned_step(step)
+        if update or self._state_pending or (self._state_due is not None and step >= self._state_due):
             with self._atomic():
-                if self.criterion.needs_grad and self._scored_step != step:
-                    logger.debug("step %d: on_before_optimizer_step was not called; scoring from current gradients",
-                                 step)
-                    self.update_scores()
-                self.update_masks(step)
+                if update:
+                    if self.criterion.needs_grad and self._scored_step != step:
+                        logger.debug("step %d: on_before_optimizer_step was not called; scoring from current "
+                                     "gradients", step)
+                        self.update_scores()
+                    self.update_masks(step)
+                self._maintain_optimizer_state(step)
                 self.global_step = step + 1
         else:
             self.global_step = step + 1
@@ -449,7 +487,9 @@ class Pruner:
         """End of an epoch (nothing to do by default)."""
 
     def on_train_end(self) -> None:
-        """End of training: log the reached sparsity."""
+        """End of training: log the reached sparsity; the optimizer state at pruned entries is left as
+        plain clearing leaves it (:meth:`release_optimizer_state`)."""
+        self.release_optimizer_state()
         logger.info("%s: sparsity %.4f (target %.4f) after %d steps", type(self).__name__,
                     self._group_sparsity(), self.target_sparsity_ratio, self.global_step)
 
@@ -573,8 +613,11 @@ class Pruner:
             zero_where_(orig, keep_f, undo)
             if orig.grad is not None:
                 zero_where_(orig.grad, keep_f, undo)
-            for t in _optimizer_state_tensors(self.optimizers, orig):
-                zero_where_(t, keep_f, undo)
+            period = clear_pruned_state_(self.optimizers, orig, keep_f, undo)
+            if period is not None:
+                self._state_filled = True
+                if self._state_due is None:
+                    self._state_due = self.global_step + period
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> Dict[str, Any]:
@@ -624,6 +667,7 @@ class Pruner:
                     undo.add(lambda target=target, old=old: _copy_no_grad(b, target, old))
                     target.copy_(m.to(device=target.device, dtype=target.dtype))
             self.mask_weights()
+            self._state_pending = True
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(layers={len(self.modules)}, pattern={self.pattern.name!r}, "

@@ -88,23 +88,46 @@ class PruningCallbacks:
 
     # ---------------------------------------------------------------- dispatch
     @contextmanager
-    def _transaction(self) -> Iterator[None]:
-        """One undo log shared by every pruner; rolled back on any exception (nests)."""
+    def transaction(self) -> Iterator[None]:
+        """One transaction over every pruner: the events and calls inside it change all or nothing.
+
+        On any exception (``KeyboardInterrupt`` included) every pruner's masks,
+        weights, gradients, optimizer state and own state are put back; nested
+        transactions join the outermost one. Each event already is one; use this to
+        make several calls one.
+
+        Example:
+            >>> import torch.nn as nn
+            >>> from prunekit.training import prepare_pruning
+            >>> model = nn.Sequential(nn.Linear(8, 8))
+            >>> pruning = prepare_pruning(model, {"prune_type": "magnitude", "pattern": "1x1",
+            ...                                   "target_sparsity": 0.5})
+            >>> with pruning.transaction():
+            ...     pruning.on_step_begin(0); pruning.on_step_end()
+            >>> int((model[0].weight == 0).sum())
+            32
+        """
         if any(p._undo is not None for p in self.pruners):
             yield  # an outer transaction is open
             return
         log = UndoLog()
-        for p in self.pruners:
-            p._undo = log
+        grad_mode = self.pruners[0]._b.is_grad_enabled() if self.pruners else True
+        local_step = self._local_step
         try:
+            for p in self.pruners:
+                p._undo = log
             yield
+            # the commit: still inside the try, so an interrupt on these lines rolls back too
+            for p in self.pruners:
+                p._undo = p._undo_joined = None
         except BaseException:
             log.rollback()
-            raise
-        finally:
+            self._local_step = local_step
             for p in self.pruners:
-                p._undo = None
-                p._undo_joined = None
+                p._undo = p._undo_joined = None
+            if self.pruners:
+                self.pruners[0]._b.ns.set_grad_enabled(grad_mode)
+            raise
 
     def call_event(self, event: str, *args: Any) -> None:
         """Pass ``event`` (one of :data:`EVENTS`) with ``args`` to every pruner, as one transaction.
@@ -117,13 +140,13 @@ class PruningCallbacks:
                              + did_you_mean(event, EVENTS))
         if event == "on_step_begin" and not args:
             args = (self._local_step,)
-        with self._transaction():
+        with self.transaction():
             for p in self.pruners:
                 getattr(p, event)(*args)
-        if event == "on_epoch_begin":
-            self._local_step = 0
-        elif event == "on_step_end":
-            self._local_step += 1
+            if event == "on_epoch_begin":
+                self._local_step = 0
+            elif event == "on_step_end":
+                self._local_step += 1
 
     # ---------------------------------------------------------------- callbacks (each one event)
     def on_train_begin(self, dataloader: Any = None) -> None:
@@ -180,7 +203,7 @@ class PruningCallbacks:
         yourself to score them before.) A wired optimizer does all this by itself
         -- do not call it then.
         """
-        with self._transaction():
+        with self.transaction():
             self.on_before_optimizer_step()
             self.on_after_optimizer_step()
             self.on_step_end()
@@ -215,11 +238,17 @@ class PruningCallbacks:
             self.on_after_optimizer_step()
             self.on_step_end()
 
-        self._handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+        # one at a time: an interrupt between the two leaves the first where unwire() finds it
+        self._handles.append(optimizer.register_step_pre_hook(pre))
+        self._handles.append(optimizer.register_step_post_hook(post))
         return self
 
     def unwire(self) -> None:
-        """Remove the optimizer hooks (masks stay in the model)."""
+        """Remove the optimizer hooks (masks stay in the model); the optimizer state at pruned
+        entries is left exactly as clearing it leaves it (see :meth:`Pruner.release_optimizer_state`)."""
+        with self.transaction():
+            for p in self.pruners:
+                p.release_optimizer_state()
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -239,10 +268,10 @@ class PruningCallbacks:
         if len(saved) != len(self.pruners):
             raise ValueError(f"checkpoint holds {len(saved)} pruners, this config builds {len(self.pruners)}")
         local_step = int(state.get("local_step", 0))
-        with self._transaction():
+        with self.transaction():
             for p, s in zip(self.pruners, saved):
                 p.load_state_dict(s)
-        self._local_step = local_step
+            self._local_step = local_step
 
     def report(self) -> SparsityReport:
         """Sparsity per pruned layer (element- and block-wise under each pruner's pattern)."""
@@ -326,16 +355,27 @@ def prepare_pruning(model: nn.Module, config: Any = None,
     # on any failure (KeyboardInterrupt included) every touched module is put back as it was
     snapshots = [Snapshot(m) for sel in selections for m in sel.values()]
     callbacks: Optional[PruningCallbacks] = None
+    log = UndoLog()  # one transaction over the whole call (on_train_begin re-masks weights)
+    b = backend_of(model) or TORCH
+    grad_mode = b.is_grad_enabled()
     try:
         pruners: List[Pruner] = [get_pruner(sel, pc) for sel, pc in zip(selections, cfg.pruners)]
         callbacks = PruningCallbacks(model, pruners, cfg)
+        for p in pruners:
+            p._undo = log
         if optimizer is not None:
             callbacks.wire(optimizer)
         callbacks.on_train_begin()
+        for p in pruners:
+            p._undo = p._undo_joined = None
+        return callbacks  # inside the try: an interrupt on this line still rolls back
     except BaseException:
+        log.rollback()
         if callbacks is not None:
+            for p in callbacks.pruners:
+                p._undo = p._undo_joined = None
             callbacks.unwire()
         for snap in reversed(snapshots):
             snap.restore()
+        b.ns.set_grad_enabled(grad_mode)
         raise
-    return callbacks
