@@ -61,6 +61,7 @@ from typing import Any, Dict, IO, List, Mapping, Optional, Tuple, Union
 
 import torch
 
+from .. import _sharded
 from .._backend import require_torch
 from .errors import CheckpointSignatureError, CorruptCheckpointError, UnreadableFileError
 from .reader import (
@@ -423,6 +424,13 @@ def write_compressed(
     st = _safetensors_torch()
     native = _safetensors_dtypes()
     sd = _state_dict_of(model_or_state_dict)
+    sharded = [k for k, v in sd.items() if _sharded.handler_for(v) is not None]
+    if sharded:
+        raise TypeError(
+            f"save_compressed: {sharded[0]!r} (and {len(sharded) - 1} more) are DTensor shards; call "
+            "prunekit.distributed.save_compressed(model, path) on every rank instead (it writes one file from "
+            "rank 0, gathering one tensor at a time)"
+        )
     if drop_masked_values:
         sd = _drop_masked(sd)
     index: List[Dict[str, Any]] = []
@@ -519,10 +527,11 @@ class CompressedWriter:
         for key, t in stored.items():
             t = t.detach().to("cpu").contiguous()
             spool = self._spool(t.element_size())
-            data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-            spool[0].write(data)
-            self._layout[key] = (t.element_size(), _TAG_OF[t.dtype], list(t.shape), spool[2], spool[2] + len(data))
-            spool[2] += len(data)
+            n = t.numel() * t.element_size()
+            if n:
+                spool[0].write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # the bytes, not a copy
+            self._layout[key] = (t.element_size(), _TAG_OF[t.dtype], list(t.shape), spool[2], spool[2] + n)
+            spool[2] += n
         self._index.append(entry)
 
     def close(self) -> None:
