@@ -217,6 +217,7 @@ def worker(tmp: str, rank: int, world: int, reps: int, quick: bool) -> None:
     if rank == 0:
         with open(os.path.join(tmp, "result.json"), "w") as f:
             json.dump(out, f)
+    dist.barrier()  # leave together: a rank tearing gloo down while a peer still talks can abort it
     dist.destroy_process_group()
 
 
