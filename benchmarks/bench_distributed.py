@@ -217,6 +217,7 @@ def worker(tmp: str, rank: int, world: int, reps: int, quick: bool) -> None:
     if rank == 0:
         with open(os.path.join(tmp, "result.json"), "w") as f:
             json.dump(out, f)
+    dist.barrier()  # leave together: a rank tearing gloo down while a peer still talks can abort it
     dist.destroy_process_group()
 
 
@@ -262,9 +263,41 @@ def _fsdp_part(shapes, rank, world, k, pieces, specs, comm) -> Dict[str, Any]:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out[label] = {"mask_over_shard": float(t[0]), "peak_over_shard": float(t[1]), "time_s": float(t[2]),
                       "identical": float(t[3]) == 0.0, "meter": meter.method}
+        if dtype is torch.bool:
+            out["save_compressed"] = _save_part(layers, shapes, rank)
         del layers, params
         gc.collect()
     return out
+
+
+def _save_part(layers, shapes, rank) -> Dict[str, Any]:
+    """prunekit.distributed.save_compressed of the sharded model: peak extra memory per rank."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    import prunekit
+    from _harness import MemoryMeter
+
+    box = [tempfile.mkdtemp(prefix="prunekit-bench-save-") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    path = os.path.join(box[0], "model.safetensors")
+    largest = max(math.prod(s) for s in shapes) * 4
+    meter = MemoryMeter()
+    dist.barrier()
+    with meter:
+        t0 = time.perf_counter()
+        prunekit.distributed.save_compressed(layers, path)
+        secs = time.perf_counter() - t0
+    size = os.path.getsize(path) if rank == 0 else 0
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, meter.peak_extra)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(box[0], ignore_errors=True)
+    return {"rank0_peak_over_largest": peaks[0] / largest, "others_peak_mib": max(peaks[1:] or [0]) / 2**20,
+            "largest_mib": largest / 2**20, "model_mib": sum(math.prod(s) for s in shapes) * 4 / 2**20,
+            "file_mib": size / 2**20, "time_s": secs}
 
 
 # =============================================================================== parent
@@ -339,11 +372,23 @@ def report(results: List[Dict[str, Any]], load: tuple) -> str:
     frows = []
     for res in results:
         for label, f in res["fsdp"].items():
+            if label == "save_compressed":
+                continue
             frows.append([f"W={res['world']}, {label}", f"{f['mask_over_shard']:.3f}x",
                           f"{f['peak_over_shard']:.3f}x", f"{f['time_s']:.3f} s",
                           "yes" if f["identical"] else "NO"])
     lines.append(table(["case", "mask bytes / shard bytes", "peak extra RSS / shard bytes", "time",
                         "same masks as the kernel"], frows))
+    lines.append("")
+    lines.append("prunekit.distributed.save_compressed of that model (boolean masks), one file written by rank 0:")
+    srows = []
+    for res in results:
+        f = res["fsdp"]["save_compressed"]
+        srows.append([f"W={res['world']}", f"{f['model_mib']:.0f} MiB", f"{f['largest_mib']:.1f} MiB",
+                      f"{f['rank0_peak_over_largest']:.2f}x", f"{f['others_peak_mib']:.1f} MiB",
+                      f"{f['file_mib']:.1f} MiB", f"{f['time_s']:.2f} s"])
+    lines.append(table(["case", "model", "largest tensor", "rank 0 peak extra / largest tensor",
+                        "other ranks' peak extra", "file", "time"], srows))
     return "\n".join(lines)
 
 

@@ -629,3 +629,41 @@ def pattern_misaligned(rank: int, world: int) -> None:
     else:
         assert rows % 4 == 0, "a 4x1 pattern over shards that cut its blocks was accepted"
     assert not prunekit.is_pruned(model)
+
+
+def save_compressed_sharded(rank: int, world: int) -> None:
+    """One compressed file from an FSDP2 model: what one process saves for the same pruned model."""
+    import os
+
+    torch.manual_seed(0)
+    ref = _net()
+    twin = _shard_net(copy.deepcopy(ref))
+    for m in (ref, twin):
+        prunekit.global_unstructured([(m[i], "weight") for i in (0, 2, 5)], prunekit.L1Unstructured, amount=0.7)
+        prunekit.ln_structured(m[7], "weight", 1, 2, 0, mask_dtype=torch.bool)
+    try:
+        prunekit.save_compressed(twin, "never-written.safetensors")
+    except TypeError as e:
+        assert "prunekit.distributed.save_compressed" in str(e), str(e)
+    else:
+        raise AssertionError("the single-process writer took DTensor shards")
+    with _SharedDir() as tmp:
+        path = os.path.join(tmp, "model.safetensors")
+        prunekit.distributed.save_compressed(twin, path, drop_masked_values=True)
+        if rank == 0:
+            loaded = prunekit.load_compressed(path)
+            want = ref.state_dict()
+            assert list(loaded) == list(want), (list(loaded), list(want))
+            for k, v in want.items():
+                if k.endswith("_orig"):  # stored with zeros at pruned entries, as drop_masked_values does
+                    v = v * want[k[:-len("_orig")] + "_mask"]
+                assert loaded[k].dtype == v.dtype and torch.equal(loaded[k], v), k
+            assert os.listdir(tmp) == ["model.safetensors"]  # no spool or temporary left
+        # a failure on the writing rank stops every rank, and leaves nothing behind
+        bad = os.path.join(tmp, "missing-dir", "m.safetensors")
+        try:
+            prunekit.distributed.save_compressed(twin, bad)
+        except (OSError, RuntimeError) as e:
+            assert rank == 0 or "failed to write" in str(e), str(e)
+        else:
+            raise AssertionError("a failed write went unreported")

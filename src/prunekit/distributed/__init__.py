@@ -31,9 +31,10 @@ from torch import nn
 
 from .. import _sharded
 from .checkpoint import load, save
+from .compressed import save_compressed
 from .layout import is_dtensor
 
-__all__ = ["GroupComm", "is_dtensor", "load", "remask", "save", "shard_masks"]
+__all__ = ["GroupComm", "is_dtensor", "load", "remask", "save", "save_compressed", "shard_masks"]
 
 
 def __getattr__(name: str) -> Any:

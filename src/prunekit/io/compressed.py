@@ -45,6 +45,7 @@ reading does not.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import hmac
@@ -52,13 +53,15 @@ import json
 import logging
 import math
 import os
+import shutil
+import tempfile
 import warnings
 from collections import OrderedDict
 from typing import Any, Dict, IO, List, Mapping, Optional, Tuple, Union
 
 import torch
 
-from .. import reparam
+from .. import _sharded, reparam
 from .._backend import require_torch
 from .errors import CheckpointSignatureError, CorruptCheckpointError, UnreadableFileError
 from .reader import (
@@ -69,9 +72,10 @@ from .reader import (
     read_safetensors_header,
     read_safetensors_tensor,
 )
-from .writer import PathLike, atomic_path
+from .writer import PathLike, atomic_path, atomic_write
 
 __all__ = [
+    "CompressedWriter",
     "write_compressed",
     "load_compressed",
     "is_compressed_header",
@@ -421,6 +425,13 @@ def write_compressed(
     st = _safetensors_torch()
     native = _safetensors_dtypes()
     sd = _state_dict_of(model_or_state_dict)
+    sharded = [k for k, v in sd.items() if _sharded.handler_for(v) is not None]
+    if sharded:
+        raise TypeError(
+            f"save_compressed: {sharded[0]!r} (and {len(sharded) - 1} more) are DTensor shards; call "
+            "prunekit.distributed.save_compressed(model, path) on every rank instead (it writes one file from "
+            "rank 0, gathering one tensor at a time)"
+        )
     if drop_masked_values:
         sd = _drop_masked(sd)
     index: List[Dict[str, Any]] = []
@@ -447,6 +458,138 @@ def write_compressed(
         counts[e["encoding"]] = counts.get(e["encoding"], 0) + 1
     logger.info("save_compressed: wrote %s (%d tensors: %s%s)", os.fspath(path), len(index), counts,
                 ", signed" if secret is not None else "")
+
+
+class CompressedWriter:
+    """Write a compressed checkpoint one tensor at a time: memory holds one tensor, never the model.
+
+    :meth:`add` encodes a tensor exactly as :func:`write_compressed` does and
+    appends the stored bytes to a spool file beside ``path`` (one per element
+    size, so every stored tensor ends up aligned, as safetensors lays them
+    out); :meth:`close` writes the safetensors container -- header, then the
+    spooled bytes, streamed -- through the atomic writer. The file holds what
+    :func:`write_compressed` writes for the same tensors (the stored tensors
+    may come in another order) and :func:`load_compressed` reads it the same
+    way. On an exception inside ``with`` (or :meth:`abort`) nothing is
+    written and the spools are removed. For writers that produce tensors one
+    by one, such as ``prunekit.distributed.save_compressed`` gathering a
+    sharded model.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> path = os.path.join(tempfile.mkdtemp(), "pruned.safetensors")
+        >>> w = torch.randn(64, 64)
+        >>> w[w.abs() < 1] = 0
+        >>> with CompressedWriter(path) as out:
+        ...     out.add("weight", w)
+        ...     out.add("bias", torch.ones(64))
+        >>> loaded = load_compressed(path)
+        >>> list(loaded), torch.equal(loaded["weight"], w)
+        (['weight', 'bias'], True)
+    """
+
+    def __init__(self, path: PathLike, *, keep_zero_sign: bool = True, key: Union[bytes, str, None] = None) -> None:
+        self.path = os.fspath(path)
+        self.keep_zero_sign = keep_zero_sign
+        self._secret = _key_bytes(key) if key is not None else None
+        _safetensors_torch()  # the optional dependency, checked before any work
+        self._native = _safetensors_dtypes()
+        self._directory = os.path.dirname(os.path.abspath(self.path))
+        self._spools: Dict[int, Any] = {}  # element size -> (file, path, bytes written)
+        self._layout: Dict[str, Tuple[int, str, List[int], int, int]] = {}
+        self._index: List[Dict[str, Any]] = []
+        self._closed = False
+
+    def _spool(self, size: int) -> List[Any]:
+        spool = self._spools.get(size)
+        if spool is None:
+            fd, spool_path = tempfile.mkstemp(prefix=".prunekit-spool-", dir=self._directory)
+            spool = self._spools[size] = [os.fdopen(fd, "w+b"), spool_path, 0]
+        return spool
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Encode ``tensor`` and append it under ``name`` (the state dict's key)."""
+        if self._closed:
+            raise ValueError(f"CompressedWriter({self.path!r}) is closed; open a new one")
+        if not isinstance(name, str):
+            raise TypeError(f"save_compressed: state dict keys must be str, got {name!r} ({type(name).__name__})")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"save_compressed: state dict entry {name!r} is a {type(tensor).__name__}, not a tensor")
+        if name.endswith(_RESERVED):
+            raise ValueError(
+                f"save_compressed: state dict key {name!r} ends with a suffix prunekit reserves "
+                f"{_RESERVED}; rename that entry before saving."
+            )
+        entry, stored = _encode(name, tensor, self._native, self.keep_zero_sign)
+        clash = set(stored) & set(self._layout)
+        if clash or any(e["name"] == name for e in self._index):
+            raise ValueError(f"save_compressed: two entries would be stored under {sorted(clash) or [name]}; "
+                             "rename one")
+        for key, t in stored.items():
+            t = t.detach().to("cpu").contiguous()
+            spool = self._spool(t.element_size())
+            n = t.numel() * t.element_size()
+            if n:
+                spool[0].write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # the bytes, not a copy
+            self._layout[key] = (t.element_size(), _TAG_OF[t.dtype], list(t.shape), spool[2], spool[2] + n)
+            spool[2] += n
+        self._index.append(entry)
+
+    def close(self) -> None:
+        """Write the file (atomically) and remove the spools."""
+        if self._closed:
+            raise ValueError(f"CompressedWriter({self.path!r}) is closed")
+        index_json = json.dumps({"version": FORMAT_VERSION, "tensors": self._index}, separators=(",", ":"))
+        metadata = {
+            _META_FORMAT: _FORMAT_TAG,
+            _META_INDEX: index_json,
+            _META_INDEX_SHA: hashlib.sha256(index_json.encode("utf-8")).hexdigest(),
+        }
+        if self._secret is not None:
+            metadata[_META_HMAC] = _signature(self._secret, index_json)
+        sizes = sorted(self._spools, reverse=True)  # 8-byte elements first: every tensor aligned
+        base, start = {}, 0
+        for size in sizes:
+            base[size] = start
+            start += self._spools[size][2]
+        header: Dict[str, Any] = {"__metadata__": metadata}
+        for key, (size, tag, shape, begin, end) in self._layout.items():
+            header[key] = {"dtype": tag, "shape": shape, "data_offsets": [base[size] + begin, base[size] + end]}
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)
+        try:
+            with atomic_write(self.path, "wb") as f:
+                f.write(len(raw).to_bytes(8, "little"))
+                f.write(raw)
+                for size in sizes:
+                    spool = self._spools[size][0]
+                    spool.flush()
+                    spool.seek(0)
+                    shutil.copyfileobj(spool, f, 1 << 20)
+        finally:
+            self.abort()
+        logger.info("save_compressed: wrote %s (%d tensors, streamed%s)", self.path, len(self._index),
+                    ", signed" if self._secret is not None else "")
+
+    def abort(self) -> None:
+        """Give up: remove the spools; nothing is written at ``path``."""
+        self._closed = True
+        for spool in self._spools.values():
+            try:
+                spool[0].close()
+            finally:
+                with contextlib.suppress(OSError):
+                    os.remove(spool[1])
+        self._spools.clear()
+
+    def __enter__(self) -> "CompressedWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        elif not self._closed:
+            self.abort()
 
 
 # --------------------------------------------------------------------------- #
