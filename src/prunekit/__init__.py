@@ -69,6 +69,8 @@ _LAZY = {
     "sparsity_report": ".training",
     # compaction (prunekit.compact)
     "prune_groups": ".compact",
+    # one-shot pruning from calibration data (prunekit.oneshot; the package is callable)
+    "OneshotReport": ".oneshot",
     # compressed checkpoints and sparse inference (prunekit.sparse)
     "save_compressed": ".sparse",
     "load_compressed": ".sparse",
@@ -85,7 +87,7 @@ _LAZY = {
     "plot_layer_sparsity": ".report",
     "plot_accuracy_vs_sparsity": ".report",
 }
-_SUBMODULES = {"compact", "training", "sparse", "kernels", "reparam", "report", "demo", "cli", "importance"}
+_SUBMODULES = {"compact", "training", "sparse", "kernels", "reparam", "report", "demo", "cli", "importance", "oneshot"}
 
 
 def __getattr__(name: str) -> Any:
@@ -126,6 +128,7 @@ __all__ = [
     "l1_unstructured",
     "ln_structured",
     "load_state_dict",
+    "oneshot",
     "random_structured",
     "random_unstructured",
     "remove",
