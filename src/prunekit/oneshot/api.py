@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import reparam
-from ..importance import ActivationStats, dampened_hessian
+from ..importance import ActivationStats
 from ..methods import custom_from_mask
 from .blocks import BlockInput, block_output, capture_block_inputs, find_blocks, on_device, run_block
 from .layers import Patterns, Target, find_targets
