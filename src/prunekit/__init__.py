@@ -69,6 +69,8 @@ _LAZY = {
     "sparsity_report": ".training",
     # compaction (prunekit.compact)
     "prune_groups": ".compact",
+    # one-shot pruning from calibration data (prunekit.oneshot; the package is callable)
+    "OneshotReport": ".oneshot",
     # files: compressed checkpoints, every format prunekit reads and writes (prunekit.io)
     "save_compressed": ".io",
     "load_compressed": ".io",
@@ -87,7 +89,8 @@ _LAZY = {
     "plot_layer_sparsity": ".report",
     "plot_accuracy_vs_sparsity": ".report",
 }
-_SUBMODULES = {"compact", "training", "sparse", "kernels", "reparam", "report", "demo", "cli", "importance", "io"}
+_SUBMODULES = {"compact", "training", "sparse", "kernels", "reparam", "report", "demo", "cli", "importance", "io",
+               "oneshot"}
 
 
 def __getattr__(name: str) -> Any:
@@ -128,6 +131,7 @@ __all__ = [
     "l1_unstructured",
     "ln_structured",
     "load_state_dict",
+    "oneshot",
     "random_structured",
     "random_unstructured",
     "remove",

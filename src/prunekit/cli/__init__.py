@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         >>> args.command, args.checkpoint, args.json, args.debug
         ('inspect', 'model.safetensors', True, False)
     """
-    from . import _compact, _demo, _inspect, _prune, _sparsify
+    from . import _compact, _demo, _inspect, _oneshot, _prune, _sparsify
 
     parser = Parser(
         prog="prunekit",
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for mod in (_demo, _inspect, _prune, _compact, _sparsify):
+    for mod in (_demo, _inspect, _prune, _compact, _sparsify, _oneshot):
         mod.add_parser(sub)
     return parser
 

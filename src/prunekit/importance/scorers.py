@@ -10,7 +10,7 @@ name (aliases)                 needs                score (higher = keep)
 ``snip`` (``taylor``)          weight, gradient     ``|w * dL/dw|`` (Lee et al. 2019; first-order Taylor)
 ``gradient``                   gradient             ``|dL/dw|``
 ``wanda``                      weight, activations  ``|w_ij| * ||X_j||_2`` (Sun et al. 2023), ranked per output row
-``obs`` (``sparsegpt``)        weight, hessian      ``w_ij^2 / [H^-1]_jj^2`` with ``H = X^T X`` dampened
+``obs`` (``sparsegpt``)        weight, hessian      ``w_ij^2 / [H^-1]_jj`` with ``H = X^T X`` dampened
                                                     (Optimal Brain Surgeon's saliency, as SparseGPT selects)
 =============================  ===================  ==========================================================
 
@@ -140,7 +140,7 @@ def dampened_hessian(xtx: Tensor, damp: float = 0.01) -> Tensor:
 
 
 def obs_score(weight: Tensor, xtx: Tensor, damp: float = 0.01) -> Tensor:
-    """``w_ij^2 / [H^-1]_jj^2``: Optimal Brain Surgeon's saliency, ``H`` from :func:`dampened_hessian`.
+    """``w_ij^2 / [H^-1]_jj``: Optimal Brain Surgeon's saliency, ``H`` from :func:`dampened_hessian`.
 
     The loss of removing ``w_ij`` alone with the row's other weights re-fitted
     (up to a factor 1/2). Inputs that were always zero score 0 (their weights
@@ -150,13 +150,13 @@ def obs_score(weight: Tensor, xtx: Tensor, damp: float = 0.01) -> Tensor:
         >>> import torch
         >>> from prunekit.importance import obs_score
         >>> obs_score(torch.tensor([[1., 1.]]), torch.tensor([[4., 0.], [0., 1.]]), damp=0.0)
-        tensor([[16.,  1.]])
+        tensor([[4., 1.]])
     """
     w = weight.detach().float()
     h = dampened_hessian(xtx.to(w.device), damp)
     dead = xtx.diagonal().to(w.device) == 0
     hinv = torch.cholesky_inverse(torch.linalg.cholesky(h))
-    s = w.pow(2) / hinv.diagonal().pow(2).unsqueeze(0)
+    s = w.pow(2) / hinv.diagonal().unsqueeze(0)
     s[:, dead] = 0.0
     return s
 
@@ -290,7 +290,7 @@ class Wanda(Scorer):
 
 @register_scorer("obs", aliases=("sparsegpt",))
 class OBS(Scorer):
-    """``w_ij^2 / [H^-1]_jj^2`` with SparseGPT's dampening (``damp`` x the mean diagonal).
+    """``w_ij^2 / [H^-1]_jj`` with SparseGPT's dampening (``damp`` x the mean diagonal).
 
     This is the saliency SparseGPT uses to choose its masks; the full method
     (masks chosen column block by column block while the remaining weights are

@@ -1,0 +1,59 @@
+"""One-shot pruning of pretrained models from calibration data, block by block.
+
+* :func:`oneshot` -- the verb (``prunekit.oneshot``);
+* :mod:`.solvers` -- magnitude, Wanda, SparseGPT and the masked least-squares refit on one matrix;
+* :mod:`.blocks` -- finding repeated blocks, capturing a block's inputs, running a block,
+  offloading (reusable by anything that walks a model block by block);
+* :mod:`.layers` -- which layers are pruned and their ``(out, in)`` view;
+* :mod:`.report` -- :class:`OneshotReport`.
+
+The package itself is callable: ``prunekit.oneshot(model, calibration, ...)``
+is :func:`oneshot` whether ``prunekit.oneshot`` was reached as the package or
+as the function (Python binds the subpackage to that attribute once it is
+imported).
+
+Example:
+    >>> import prunekit, prunekit.oneshot
+    >>> callable(prunekit.oneshot), prunekit.oneshot.__call__.__doc__ == prunekit.oneshot.oneshot.__doc__
+    (True, True)
+"""
+
+import sys
+import types
+
+from .api import METHODS, PRUNEKIT_DEFAULTS, oneshot, parse_pattern
+from .blocks import BlockInput, capture_block_inputs, find_blocks, on_device, run_block
+from .layers import Target, find_targets
+from .report import LayerResult, OneshotReport
+from .solvers import magnitude_prune, refit_masked, sparsegpt_prune, wanda_prune
+
+__all__ = [
+    "METHODS",
+    "PRUNEKIT_DEFAULTS",
+    "BlockInput",
+    "LayerResult",
+    "OneshotReport",
+    "Target",
+    "capture_block_inputs",
+    "find_blocks",
+    "find_targets",
+    "magnitude_prune",
+    "on_device",
+    "oneshot",
+    "parse_pattern",
+    "refit_masked",
+    "run_block",
+    "sparsegpt_prune",
+    "wanda_prune",
+]
+
+
+class _CallableModule(types.ModuleType):
+    """``prunekit.oneshot`` the package, callable as ``prunekit.oneshot(...)`` the function."""
+
+    def __call__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return oneshot(*args, **kwargs)
+
+
+_CallableModule.__call__.__doc__ = oneshot.__doc__
+sys.modules[__name__].__class__ = _CallableModule
