@@ -6,8 +6,11 @@ PIP    := $(PY) -m pip
 # The CPU build of torch 2.13.0 is pinned here (not in the library's requirements, which say torch>=2.2).
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
+# prunekit's compiled sparse kernels (optional for the library, built for this machine's CPU)
+KERNEL_SRC   := src/prunekit/sparse/csrc/linear.cpp
+KERNEL_STAMP := src/prunekit/sparse/csrc/build/.built
 
-.PHONY: test lint demo bench clean
+.PHONY: test lint demo bench clean kernels
 
 $(STAMP): pyproject.toml setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,7 +23,13 @@ $(STAMP): pyproject.toml setup.py Makefile
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 
-test: lint
+$(KERNEL_STAMP): $(STAMP) $(KERNEL_SRC) src/prunekit/sparse/native.py
+	$(PY) -m prunekit.sparse.native
+	touch $(KERNEL_STAMP)
+
+kernels: $(KERNEL_STAMP)
+
+test: lint $(KERNEL_STAMP)
 	$(PY) -m pytest tests
 
 demo: $(STAMP)
@@ -32,4 +41,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_core.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis src/prunekit/sparse/csrc/build

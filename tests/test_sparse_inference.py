@@ -190,7 +190,12 @@ def test_unsupported_dtype_is_explained_and_model_still_runs():
     report = sparsify_for_inference(model, measure=False)
     if report.converted:  # a future PyTorch may add bfloat16 CSR kernels on CPU
         pytest.skip("this PyTorch runs bfloat16 CSR products on CPU")
-    assert "csr kernel unavailable here" in report["0"].reason
+    reason = report["0"].reason
+    assert reason.startswith("no sparse policy can run this layer")
+    assert "csr: prunekit's kernels take float32/float64 CPU tensors, not torch.bfloat16" in reason
+    assert "csr-torch: unavailable here: NotImplementedError" in reason
+    assert report["0"].not_tried["csr-torch"].startswith("unavailable here")
+    assert not any(isinstance(model[i], SparseInferenceModule) for i in (0, 2, 4))
     assert model(torch.randn(2, 96, dtype=torch.bfloat16)).shape == (2, 10)
 
 
