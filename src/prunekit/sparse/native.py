@@ -38,8 +38,8 @@ logger = logging.getLogger(__name__)
 
 _NAME = "prunekit_sparse_kernels"
 _SOURCE = Path(__file__).with_name("csrc") / "linear.cpp"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
-_LDFLAGS = ["-fopenmp"]
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
+_LDFLAGS = ("-fopenmp",)
 _DTYPES = (torch.float32, torch.float64)
 
 _lock = threading.Lock()
@@ -103,8 +103,10 @@ def build(verbose: bool = False) -> Path:
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
     with _lock:
-        cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
-                           build_directory=str(directory), is_python_module=False, verbose=verbose)
+        # copies: cpp_extension.load appends its own flags to the lists it is given
+        cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=list(_CFLAGS),
+                           extra_ldflags=list(_LDFLAGS), build_directory=str(directory), is_python_module=False,
+                           verbose=verbose)
         tmp = _stamp_path().with_suffix(".tmp")
         tmp.write_text(_fingerprint())
         os.replace(tmp, _stamp_path())
