@@ -24,7 +24,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 
 $(KERNEL_STAMP): $(STAMP) $(KERNEL_SRC) src/prunekit/sparse/native.py
-	$(PY) -m prunekit.sparse.native
+	$(PY) -c "from prunekit.sparse import native; print('built', native.build())"
 	touch $(KERNEL_STAMP)
 
 kernels: $(KERNEL_STAMP)

@@ -10,7 +10,7 @@ conversion or transposed copies, a layout that keeps each chunk of the input
 in cache, and threads taken from ATen's own OpenMP pool.
 
 They are built once per machine, by ``make kernels`` (``make test`` depends on
-it) or ``python -m prunekit.sparse.native``, with
+it) or ``prunekit.sparse.native.build()``, with
 :mod:`torch.utils.cpp_extension` (g++, ninja, ``-O3 -march=native``). Nothing
 is compiled at import or at run time: when the library is missing, stale or
 built for another CPU, :func:`available` is ``False``,
@@ -130,11 +130,11 @@ def _load() -> bool:
         elif hasattr(torch.ops, "prunekit_sparse") and hasattr(torch.ops.prunekit_sparse, "csr_linear"):
             ok = True  # already registered in this process (by build())
         elif not path.exists():
-            reason = (f"not built ({path} is missing); run `make kernels` or "
-                      f"`python -m prunekit.sparse.native` once on this machine")
+            reason = (f"not built ({path} is missing); run `make kernels` (or prunekit.sparse.native.build()) "
+                      f"once on this machine")
         elif not _stamp_path().exists() or _stamp_path().read_text().strip() != _fingerprint():
-            reason = (f"{path} was built from another source, torch or CPU; rebuild with `make kernels` or "
-                      f"`python -m prunekit.sparse.native`")
+            reason = (f"{path} was built from another source, torch or CPU; rebuild with `make kernels` (or "
+                      f"prunekit.sparse.native.build())")
         else:
             try:
                 torch.ops.load_library(str(path))
@@ -187,8 +187,3 @@ def bsr_linear(x2d: torch.Tensor, brow: torch.Tensor, bcol: torch.Tensor, values
     """``x2d @ W.T + bias`` for ``W`` in BSR with ``block`` = (4, 1) or (1, 4)."""
     return torch.ops.prunekit_sparse.bsr_linear(x2d.contiguous(), brow, bcol, values.reshape(-1), bias,
                                                 out_features, block[0], block[1], threads)
-
-
-if __name__ == "__main__":  # python -m prunekit.sparse.native
-    logging.basicConfig(level=logging.INFO)
-    print(f"prunekit.sparse.native: built {build(verbose='-v' in sys.argv)}")

@@ -3,9 +3,11 @@
 //   * BSR with 4x1 (4 outputs x 1 input) or 1x4 (1 output x 4 consecutive inputs) blocks,
 //     the block patterns prunekit's training pruners produce.
 //
-// Why not torch.sparse.mm (MKL): per call it widens int64 indices to MKL's int32, multiplies
-// into a column-major copy of x and returns a transposed result; and on 2 threads right after a
-// dense op it stalls (see prunekit/sparse/native.py). Here:
+// Why not torch.sparse.mm (MKL): it offers only W @ x.T, so x is read transposed and the result
+// comes back transposed (the next op copies it), int64 indices are widened per call, and on 2
+// threads right after a dense op it was measured stalling (issue 16: 1.00 ms interleaved against
+// 0.53 ms back to back). One thread, in thread CPU time, it is 1.1-3x slower than this file's
+// kernels on every shape measured (README, `bench_sparse.py --parts kernels`). Here:
 //   * one input row (batch 1): a gathered dot product per output row (AVX-512 gathers where
 //     available), several accumulators to hide the FMA latency;
 //   * several rows: x is transposed in chunks of CH rows (16x16 register tiles), so every stored
