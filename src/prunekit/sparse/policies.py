@@ -35,7 +35,6 @@ from .modules import (
     ChannelLinear,
     CSRConv2d,
     CSRLinear,
-    SemiStructuredLinear,
     block_fill,
     bsr_unsupported_reason,
 )
