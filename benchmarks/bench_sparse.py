@@ -27,7 +27,7 @@
 Usage::
 
     python benchmarks/bench_sparse.py                       # everything
-    python benchmarks/bench_sparse.py --parts linear,minilm # the README's tables
+    python benchmarks/bench_sparse.py --parts linear,minilm --markdown  # the README's tables
     python benchmarks/bench_sparse.py --quick --allow-load  # a smoke run on a busy machine
     python benchmarks/bench_sparse.py --parts kernels,minilm --cpu-time  # 1 thread, CPU time
 
@@ -59,7 +59,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 
 import prunekit  # noqa: E402
-from _harness import add_load_argument, headline_allowed, load_note, loaded_mark, run_child  # noqa: E402
+from _harness import add_load_argument, headline_allowed, load_average, load_note, loaded_mark, run_child  # noqa: E402
 from prunekit.sparse import (  # noqa: E402
     clear_decision_cache,
     native,
@@ -196,6 +196,7 @@ def bench_linear(args: argparse.Namespace, show_all: bool) -> None:
     if show_all:
         cases += [(0.9, "4x1"), (0.95, "4x1"), (0.9, "1x4"), (0.95, "1x4")]
     batches = (1, 8, 64)
+    markdown: List[str] = []
     if not show_all:
         print("   'in model': every call right after a dense call; 'raw': the same kernel run back to back, and "
               "dense back to back")
@@ -235,6 +236,14 @@ def bench_linear(args: argparse.Namespace, show_all: bool) -> None:
             print(f"{sparsity:>8.0%} {batch:>5} {dense_s * 1e3:>9.3f} {policy:>13} {times['chosen'] * 1e3:>8.3f} "
                   f"{speedup:>8.2f}x {raw_dense / raw:>6.2f}x {mkl2:>7} {mkl1:>7} {1 / (1 - sparsity):>5.0f}x  "
                   f"{_targets(sparsity, batch, speedup)}  ({load_note()}){loaded_mark()}")
+            markdown.append(f"| {sparsity:.0%} | {batch} | `{policy}` | **{speedup:.2f}x** | {raw_dense / raw:.2f}x | "
+                            f"{mkl2} / {mkl1} | {1 / (1 - sparsity):.0f}x | {load_average()[0]:.2f} |")
+    if markdown and args.markdown:
+        print("\n   README table (--markdown):\n")
+        print("| sparsity | batch | policy chosen | in a model | raw kernel | torch CSR (MKL), 2 / 1 threads "
+              "| FLOP ratio | load |")
+        print("|---|---|---|---|---|---|---|---|")
+        print("\n".join(markdown))
 
 
 # --------------------------------------------------------------------------- #
@@ -368,6 +377,7 @@ def bench_minilm(args: argparse.Namespace) -> None:
     print(f"\n== 5. all-MiniLM-L6-v2 end to end, every encoder Linear pruned by magnitude (l1_unstructured "
           f"per layer), {torch.get_num_threads()} threads, medians of {reps} interleaved forwards, {clock} ==")
     timing = args.cpu_time or headline_allowed(args.allow_load, "MiniLM latency")
+    markdown: List[str] = []
     for sparsity in (0.9, 0.95):
         model = copy.deepcopy(base)
         linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("encoder.")]
@@ -407,6 +417,13 @@ def bench_minilm(args: argparse.Namespace) -> None:
                   f"{'' if args.cpu_time else loaded_mark()}")
             if args.verbose:
                 print("      " + report.summary().replace("\n", "\n      "))
+            markdown.append(f"| {sparsity:.0%} | {label} | {med['dense'] * 1e3:.1f} ms | {med['sparse'] * 1e3:.1f} ms "
+                            f"| **{med['dense'] / med['sparse']:.2f}x** | {mix} | {err:.1e} | {load_average()[0]:.2f} |")
+    if markdown and args.markdown:
+        print("\n   README table (--markdown):\n")
+        print("| sparsity | input | dense | sparsified | speedup | layers | max \\|output diff\\| | load |")
+        print("|---|---|---|---|---|---|---|---|")
+        print("\n".join(markdown))
 
 
 # --------------------------------------------------------------------------- #
@@ -457,6 +474,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--parts", default="size,linear,policies,kernels,threads,minilm,semi")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     parser.add_argument("--verbose", action="store_true", help="print every MiniLM layer's decision")
+    parser.add_argument("--markdown", action="store_true",
+                        help="also print the linear and MiniLM figures as the README's markdown tables")
     parser.add_argument("--cpu-time", action="store_true",
                         help="MiniLM: one thread, thread CPU time (the model's own cost, little moved by other "
                              "processes; not a latency figure, printed whatever the load)")
