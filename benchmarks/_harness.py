@@ -8,6 +8,10 @@ Nothing here knows about pruning. It provides:
   object graph (a module, its hooks, ...) keeps alive;
 * :func:`run_child` - run one measurement in a fresh interpreter and read back
   its JSON result;
+* the load rule: :func:`add_load_argument` and :func:`headline_allowed` -- a
+  benchmark prints no headline speed figure while the 1-minute load average
+  exceeds :data:`QUIET_LOAD` unless it was given ``--allow-load``, and
+  :func:`load_note` is printed beside every figure;
 * small statistics and table-formatting helpers.
 """
 
@@ -215,6 +219,57 @@ def reachable_storage_bytes(*roots: Any) -> int:
             continue
         stack.extend(_children(obj))
     return sum(storages.values())
+
+
+# ----------------------------------------------------------------------------- machine load
+
+# Above this 1-minute load average (on the 2-core machine) the figures say more about the other
+# processes than about the code: a multi-threaded op waits for its slowest thread, and a thread
+# that is descheduled stalls the whole op.
+QUIET_LOAD = 1.5
+
+
+def load_average() -> tuple[float, float, float]:
+    """The 1, 5 and 15-minute load averages (NaN where the platform has none)."""
+    try:
+        return os.getloadavg()
+    except OSError:
+        return (float("nan"),) * 3
+
+
+def load_note() -> str:
+    """``'load average 0.66 0.70 0.81'``: print it beside every speed figure."""
+    one, five, fifteen = load_average()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f}"
+
+
+def add_load_argument(parser: Any) -> None:
+    """Add ``--allow-load`` to an ``argparse`` parser (see :func:`headline_allowed`)."""
+    parser.add_argument("--allow-load", action="store_true",
+                        help=f"print headline speed figures even when the load average exceeds {QUIET_LOAD} "
+                             f"(they are then marked as taken under load)")
+
+
+def headline_allowed(allow_load: bool, what: str = "speed figures", limit: float = QUIET_LOAD) -> bool:
+    """Whether headline figures may be printed now: a quiet machine, or ``--allow-load``.
+
+    Prints one line saying what was withheld (or that the figures are taken
+    under load) and returns ``False`` when they may not be printed.
+    """
+    one = load_average()[0]
+    if one == one and one > limit:  # NaN: no load average on this platform, nothing to refuse on
+        if not allow_load:
+            print(f"   {what}: not measured -- {load_note()} exceeds {limit} (other processes would set the "
+                  f"figures); rerun on a quiet machine, or pass --allow-load to print them marked as loaded")
+            return False
+        print(f"   {what}: measured under load ({load_note()} > {limit}, --allow-load): not headline figures")
+    return True
+
+
+def loaded_mark(limit: float = QUIET_LOAD) -> str:
+    """``'  [loaded 3.2]'`` when the 1-minute load average exceeds ``limit`` now, else ``''``."""
+    one = load_average()[0]
+    return f"  [loaded {one:.1f}]" if one == one and one > limit else ""
 
 
 # ----------------------------------------------------------------------------- timing

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 import prunekit
 from prunekit.cli import main
-from prunekit.sparse import load_compressed, save_compressed
+from prunekit.sparse import load_compressed, native, save_compressed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -330,6 +330,8 @@ def test_sparsify_converts_a_very_sparse_layer(capsys, tmp_path):
     assert d["command"] == "sparsify" and d["candidates"] == 3
     by = {l["name"]: l for l in d["layers"]}
     assert by["2"]["converted"] and by["2"]["format"] == "csr"
+    assert by["2"]["policy"] == ("csr" if native.available() else "csr-torch-1t")  # first that runs, unmeasured
+    assert by["2"]["timings_ms"] == {} and by["2"]["not_tried"]["bsr4x1"].startswith("only ")
     assert not by["0"]["converted"]  # dense layer: below --min-sparsity
     assert d["converted"] == 1 and d["max_abs_diff"] < 1e-4
     assert json.loads((tmp_path / "r.json").read_text())["layers"] == d["layers"]

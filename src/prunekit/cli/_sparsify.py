@@ -26,10 +26,12 @@ examples:
   prunekit sparsify --model nets.py:make_cnn --weights cnn-90.safetensors --input-shape 1,3,32,32 --json
   prunekit sparsify --model nets.py:make_mlp --weights mlp-24.safetensors --input-shape 8,784 --format 2:4
 
-For each pruned Linear/Conv2d layer, prunekit.sparse.sparsify_for_inference times the dense and the
-sparse kernel (CSR on CPU, 2:4 semi-structured on CUDA) on the layer's real input and converts the
-layer only where the sparse one is at least --min-speedup times faster; the table says why each
-layer was or was not converted, and the whole model is timed before and after.
+For each pruned Linear/Conv2d layer, prunekit.sparse.sparsify_for_inference times every execution
+policy that can run it (prunekit's compiled CSR and 4x1/1x4 block kernels, torch's CSR kernel, each
+on all threads and on one, a smaller dense product for whole zero channels, 2:4 on CUDA) right after
+the dense layer, on the layer's real input, and keeps the fastest where it is at least --min-speedup
+times faster than dense; the table says which policy each layer runs and why, --verbose adds every
+policy's figure, and the whole model is timed before and after.
 """
 
 
@@ -41,11 +43,13 @@ def add_parser(sub: Any) -> None:
     add_model_args(p, weights_required=True)
     p.add_argument("--input-shape", type=shape_type, required=True, metavar="SHAPE",
                    help="shape of the inputs to measure with, e.g. 8,784 or 1,3,32,32")
-    p.add_argument("--format", default="auto", choices=("auto", "csr", "2:4"), help="sparse format (default auto)")
+    p.add_argument("--format", default="auto", choices=("auto", "csr", "bsr", "channels", "2:4"),
+                   help="sparse format (default auto: every policy)")
     p.add_argument("--min-sparsity", type=float, default=0.5, help="only layers sparser than this (default 0.5)")
     p.add_argument("--min-speedup", type=float, default=1.2, help="required speedup per layer (default 1.2)")
     p.add_argument("--no-measure", action="store_true", help="convert every eligible layer without timing")
     p.add_argument("--report", metavar="FILE", help="also write the decisions as JSON")
+    p.add_argument("--verbose", action="store_true", help="print every measured policy's figure per layer")
     p.set_defaults(func=run)
 
 
@@ -83,8 +87,8 @@ def run(args: argparse.Namespace) -> int:
         diff = float((model(x) - expected).abs().max())
     layers = [{
         "name": d.name, "kind": d.kind, "shape": list(d.shape), "sparsity": d.sparsity, "converted": d.converted,
-        "format": d.format, "reason": d.reason, "dense_ms": d.dense_ms, "sparse_ms": d.sparse_ms,
-        "speedup": d.speedup,
+        "format": d.format, "policy": d.policy, "reason": d.reason, "dense_ms": d.dense_ms,
+        "sparse_ms": d.sparse_ms, "speedup": d.speedup, "timings_ms": d.timings_ms, "not_tried": d.not_tried,
     } for d in rep.layers]
     data: Dict[str, Any] = {
         "command": "sparsify", "model": args.model, "weights": args.weights, "format": args.format,
@@ -100,10 +104,14 @@ def run(args: argparse.Namespace) -> int:
     for l in layers:
         sp = "-" if l["speedup"] is None else f"{l['speedup']:.2f}x"
         rows.append([l["name"], l["kind"], "x".join(map(str, l["shape"])), pct(l["sparsity"]),
-                     (l["format"] or "yes") if l["converted"] else "no", sp, l["reason"]])
+                     (l["policy"] or "yes") if l["converted"] else "no", sp, l["reason"]])
     print_table(f"{args.model}: sparse-kernel conversion ({args.format})",
-                ["layer", "kind", "shape", "sparsity", "converted", "layer speedup", "why"], rows,
+                ["layer", "kind", "shape", "sparsity", "policy", "layer speedup", "why"], rows,
                 justify=["left", "left", "right", "right", "left", "right", "left"])
+    if args.verbose:
+        for d in rep.layers:
+            if d.timings_line():
+                say(f"{d.name}: {d.timings_line()}")
     if rep.device_note:
         say(rep.device_note)
     if rep.converted:

@@ -1,40 +1,44 @@
 """Sparse-kernel inference: swap pruned layers for sparse ones where it pays.
 
 :func:`sparsify_for_inference` walks a model and, for each pruned ``Linear``
-(and ``Conv2d``), decides whether a sparse kernel beats the dense one:
+(and ``Conv2d``), decides how to run it:
 
 1. it reads the layer's effective weight (``module.weight``; a layer still
    carrying a pruning reparameterization works as is) and its sparsity;
 2. below ``min_sparsity`` it keeps the layer dense without measuring;
-3. otherwise it builds the sparse module, checks its output against the dense
-   layer on the same input, and times both, interleaved, for a short budget;
-   the layer is converted only when the sparse median is at least
-   ``min_speedup`` times faster. The timing is cached by (format, layer kind
-   and shape, sparsity, input rows, dtype, device, thread count), so the next
-   layer of the same kind is decided without measuring again.
+3. otherwise it lists every execution policy that can run the layer
+   (:mod:`prunekit.sparse.policies`: prunekit's compiled CSR and 4x1/1x4
+   block kernels, torch's CSR kernel, each on torch's thread count and on one
+   thread, a smaller dense product for whole zero channels, 2:4 on CUDA),
+   checks each one's output against the dense layer on the layer's real
+   input, and times them all in context -- each call right after a call of
+   the dense layer, as inside a model -- for a short budget. The fastest is
+   kept when it beats dense by ``min_speedup``; otherwise the layer stays
+   dense, so a converted model is never slower than the dense one by the
+   measurement. Timings are cached by layer kind and shape, sparsity, block
+   structure, input shape, dtype, device and thread count, so the next layer
+   of the same kind is decided without measuring again.
 
-Formats: CSR (CPU through MKL, CUDA through cuSPARSE) and 2:4 semi-structured
-(``torch.sparse.to_sparse_semi_structured``, CUDA only). On a machine without
-CUDA, asking for 2:4 validates the pattern of every layer and explains why
-nothing was converted.
-
-The result is a :class:`SparsifyReport` listing every candidate layer with the
-decision and its reason; :func:`restore_dense` converts back.
+The result is a :class:`SparsifyReport` listing every candidate layer with its
+decision, the reason, and the figure of every policy measured;
+:func:`restore_dense` converts back. Both change the model all at once or not
+at all: on any exception, ``KeyboardInterrupt`` included, the model is left
+as it was.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from .._backend import require_torch
-from .modules import CSRConv2d, CSRLinear, SemiStructuredLinear, SparseInferenceModule, conv2d_unsupported_reason
+from . import native
+from .modules import SemiStructuredLinear, SparseInferenceModule, conv2d_unsupported_reason
+from .policies import POLICIES, candidates, measure_in_context, policies_for_format, preferred
 
 __all__ = [
     "sparsify_for_inference",
@@ -47,10 +51,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_FORMATS = ("auto", "csr", "2:4")
-# (format, kind, shape, conv stride/padding/dilation, sparsity, input shape, dtype, device, threads)
-# -> (dense_s, sparse_s); see the key built in _decide
-_DECISION_CACHE: Dict[Tuple[Any, ...], Tuple[float, float]] = {}
+_FORMATS = ("auto", "csr", "bsr", "channels", "2:4")
+# key built in _decide -> (dense_s, {policy: seconds})
+_DECISION_CACHE: Dict[Tuple[Any, ...], Tuple[float, Dict[str, float]]] = {}
 
 
 def clear_decision_cache() -> None:
@@ -65,7 +68,13 @@ def clear_decision_cache() -> None:
 
 @dataclass
 class LayerDecision:
-    """What :func:`sparsify_for_inference` decided for one layer, and why."""
+    """What :func:`sparsify_for_inference` decided for one layer, and why.
+
+    ``policy`` is the execution policy the layer runs with when converted
+    (else the fastest one measured, or ``None``); ``timings_ms`` holds the
+    median of every policy measured (``"dense"`` included), ``not_tried`` the
+    policies that could not run this layer and why.
+    """
 
     name: str
     kind: str
@@ -78,13 +87,25 @@ class LayerDecision:
     dense_ms: Optional[float] = None
     sparse_ms: Optional[float] = None
     cached: bool = False
+    policy: Optional[str] = None
+    timings_ms: Dict[str, float] = field(default_factory=dict)
+    not_tried: Dict[str, str] = field(default_factory=dict)
 
     @property
     def speedup(self) -> Optional[float]:
-        """Dense time over sparse time (``None`` when not measured)."""
+        """Dense time over the chosen (or fastest) policy's time (``None`` when not measured)."""
         if self.dense_ms is None or not self.sparse_ms:
             return None
         return self.dense_ms / self.sparse_ms
+
+    def timings_line(self) -> str:
+        """Every measured policy, fastest first: ``'csr 0.50 ms (9.1x), csr-1t ...'``."""
+        if not self.timings_ms or "dense" not in self.timings_ms:
+            return ""
+        dense = self.timings_ms["dense"]
+        parts = [f"{name} {ms:.3f} ms ({dense / ms:.2f}x)" if ms > 0 else f"{name} {ms:.3f} ms"
+                 for name, ms in sorted(self.timings_ms.items(), key=lambda kv: kv[1]) if name != "dense"]
+        return f"dense {dense:.3f} ms; " + ", ".join(parts)
 
 
 @dataclass
@@ -110,19 +131,18 @@ class SparsifyReport:
         raise KeyError(f"no layer named {name!r} in this report; layers: {[d.name for d in self.layers]}")
 
     def summary(self) -> str:
-        """A plain-text table of every decision."""
+        """A plain-text table of every decision, with every measured policy's figure."""
         lines = [f"sparsify_for_inference (format={self.format}): "
                  f"{len(self.converted)} of {len(self.layers)} candidate layers converted"]
         if self.device_note:
             lines.append(self.device_note)
         for d in self.layers:
-            timing = ""
-            if d.speedup is not None:
-                timing = f" dense {d.dense_ms:.3f} ms, sparse {d.sparse_ms:.3f} ms ({d.speedup:.2f}x)"
-                timing += " [cached]" if d.cached else ""
-            verdict = f"-> {d.format}" if d.converted else "kept dense"
+            verdict = f"-> {d.policy}" if d.converted else "kept dense"
             lines.append(f"  {d.name or '<root>'} {d.kind}{list(d.shape)} sparsity {d.sparsity:.1%}: "
-                         f"{verdict}; {d.reason}{timing}")
+                         f"{verdict}; {d.reason}")
+            timings = d.timings_line()
+            if timings:
+                lines.append(f"      {timings}" + (" [cached]" if d.cached else ""))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -192,30 +212,8 @@ def _semi_structured_unsupported(weight: torch.Tensor, backend: Any) -> str:
 
 
 # --------------------------------------------------------------------------- #
-# measurement
+# output check
 # --------------------------------------------------------------------------- #
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_pair(dense: Callable[[], Any], sparse: Callable[[], Any], device: torch.device,
-               budget_s: float, max_reps: int = 25) -> Tuple[float, float]:
-    """Median seconds of ``dense`` and ``sparse``, run interleaved after one warm-up each."""
-    dense(), sparse()
-    _sync(device)
-    d_times: List[float] = []
-    s_times: List[float] = []
-    start = time.perf_counter()
-    while len(d_times) < max_reps and (len(d_times) < 3 or time.perf_counter() - start < budget_s):
-        for fn, bucket in ((dense, d_times), (sparse, s_times)):
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            bucket.append(time.perf_counter() - t0)
-    return statistics.median(d_times), statistics.median(s_times)
-
-
 def _tolerance(dtype: torch.dtype) -> float:
     return {torch.float64: 1e-8, torch.float32: 1e-4}.get(dtype, 1e-2)
 
@@ -241,15 +239,18 @@ def _kind(module: nn.Module) -> Optional[str]:
     return None
 
 
-def _capture_inputs(model: nn.Module, candidates: Dict[str, nn.Module], example_inputs: Any) -> Dict[str, torch.Tensor]:
+def _capture_inputs(model: nn.Module, candidates_: Dict[str, nn.Module], example_inputs: Any) -> Dict[str, torch.Tensor]:
+    """Each candidate layer's first input, from one no-grad run in eval mode (training flags restored)."""
     seen: Dict[str, torch.Tensor] = {}
     handles = []
-    for name, mod in candidates.items():
-        def hook(_m: nn.Module, args: Tuple[Any, ...], _name: str = name) -> None:
-            if _name not in seen and args and isinstance(args[0], torch.Tensor):
-                seen[_name] = args[0].detach()
-        handles.append(mod.register_forward_pre_hook(hook))
+    modes = [(m, m.training) for m in model.modules()]
     try:
+        for name, mod in candidates_.items():
+            def hook(_m: nn.Module, args: Tuple[Any, ...], _name: str = name) -> None:
+                if _name not in seen and args and isinstance(args[0], torch.Tensor):
+                    seen[_name] = args[0].detach()
+            handles.append(mod.register_forward_pre_hook(hook))
+        model.eval()  # running statistics (BatchNorm) must not move
         with torch.no_grad():
             if isinstance(example_inputs, dict):
                 model(**example_inputs)
@@ -260,6 +261,8 @@ def _capture_inputs(model: nn.Module, candidates: Dict[str, nn.Module], example_
     finally:
         for h in handles:
             h.remove()
+        for m, training in modes:
+            m.training = training
     return seen
 
 
@@ -273,12 +276,20 @@ def _parents(model: nn.Module) -> Dict[int, List[Tuple[nn.Module, str]]]:
     return out
 
 
-def _build(kind: str, fmt: str, module: nn.Module, weight: torch.Tensor, keep_original: bool) -> nn.Module:
-    if fmt == "2:4":
-        return SemiStructuredLinear(module, weight, _semi_structured_backend(), keep_original)
-    if kind == "linear":
-        return CSRLinear(weight, module.bias, module if keep_original else None)
-    return CSRConv2d(module, weight, keep_original)
+def _swap(model: nn.Module, replacements: Dict[int, nn.Module]) -> None:
+    """Put each replacement wherever its module sits, all or nothing (any exception undoes the done ones)."""
+    parents = _parents(model)
+    done: List[Tuple[nn.Module, str, nn.Module]] = []
+    try:
+        for mod_id, new in replacements.items():
+            for parent, attr in parents.get(mod_id, []):
+                old = parent._modules[attr]
+                setattr(parent, attr, new)
+                done.append((parent, attr, old))
+    except BaseException:
+        for parent, attr, old in reversed(done):
+            parent._modules[attr] = old
+        raise
 
 
 def sparsify_for_inference(
@@ -290,14 +301,16 @@ def sparsify_for_inference(
     min_sparsity: float = 0.5,
     min_speedup: float = 1.2,
     measure: bool = True,
-    budget_ms: float = 30.0,
+    budget_ms: float = 100.0,
     keep_original: bool = True,
     layer_types: Sequence[str] = ("linear", "conv2d"),
+    policies: Optional[Sequence[str]] = None,
 ) -> SparsifyReport:
-    """Replace pruned ``Linear``/``Conv2d`` layers by sparse-kernel modules where that is faster.
+    """Run pruned ``Linear``/``Conv2d`` layers on the fastest measured sparse kernel, where that beats dense.
 
-    The model is changed in place (and also left as it was if the call
-    fails). Each replaced layer computes the same output as the masked dense
+    The model is changed in place, all at once: if the call fails (any
+    exception, ``KeyboardInterrupt`` included) the model is left exactly as it
+    was. Each replaced layer computes the same output as the masked dense
     layer within float tolerance; :func:`restore_dense` swaps the originals
     back. The converted layers are for inference: their weights are buffers.
 
@@ -306,25 +319,33 @@ def sparsify_for_inference(
             reparameterization (``weight_orig``/``weight_mask``) or have had it
             removed.
         example_inputs: an input (a tensor, a tuple of positional arguments or
-            a dict of keyword arguments) the model is run on once to learn each
-            layer's real input; needed to consider convolutions, and makes the
-            measurement match the real workload. Without it a ``Linear`` is
-            measured on ``batch_size`` rows.
+            a dict of keyword arguments) the model is run on once, in eval
+            mode, to learn each layer's real input; needed to consider
+            convolutions, and makes the measurement match the real workload.
+            Without it a ``Linear`` is measured on ``batch_size`` rows.
         batch_size: rows used to measure a ``Linear`` when no example is given.
-        format: ``"csr"``, ``"2:4"`` (semi-structured, CUDA only; on CPU the
-            call validates the pattern and explains why nothing was converted)
-            or ``"auto"`` (2:4 where a CUDA layer is eligible, otherwise CSR).
+        format: ``"auto"`` (every policy), ``"csr"``, ``"bsr"`` (4x1/1x4
+            blocks), ``"channels"`` (whole zero rows/columns dropped) or
+            ``"2:4"`` (semi-structured, CUDA only; on CPU the call validates
+            the pattern and explains why nothing was converted).
         min_sparsity: layers sparser than this are candidates; the others are
             kept dense without measuring.
-        min_speedup: how many times faster the sparse kernel must be.
+        min_speedup: how many times faster than dense the fastest policy must
+            be: a margin against measurement noise (below 1 accepts a slower
+            kernel, e.g. to save memory).
         measure: ``False`` converts every candidate that passes the output
-            check, without timing (for when you already know it pays).
-        budget_ms: time spent measuring one layer (dense and sparse together).
+            check to the first policy that can run it (blocked layouts, then
+            prunekit's CSR, then torch's CSR on one thread), without timing.
+        budget_ms: time spent measuring one layer (all policies together; at
+            least 5 rounds are always run).
         keep_original: keep a reference to each replaced module, so that
             :func:`restore_dense` returns the very same objects (dense weights
             stay in memory). ``False`` frees them; restoring then builds plain
             dense layers holding the masked weights.
         layer_types: which kinds to consider, out of ``"linear"``, ``"conv2d"``.
+        policies: restrict the policies tried (names in
+            :data:`prunekit.sparse.policies.POLICIES`, e.g. ``["csr", "csr-1t"]``);
+            without measuring, the first of them that can run a layer is used.
 
     Returns:
         A :class:`SparsifyReport` with one entry per candidate layer.
@@ -336,9 +357,9 @@ def sparsify_for_inference(
         >>> _ = prunekit.l1_unstructured(model[0], "weight", amount=0.95)
         >>> x = torch.randn(4, 256)
         >>> expected = model(x)
-        >>> report = sparsify_for_inference(model, measure=False)
-        >>> [d.name for d in report.converted], type(model[0]).__name__
-        (['0'], 'CSRLinear')
+        >>> report = sparsify_for_inference(model, measure=False, policies=["csr-torch"])
+        >>> [d.name for d in report.converted], type(model[0]).__name__, model[0].policy
+        (['0'], 'CSRLinear', 'csr-torch')
         >>> torch.allclose(model(x), expected, atol=1e-5)
         True
         >>> _ = restore_dense(model)
@@ -359,15 +380,31 @@ def sparsify_for_inference(
     unknown = set(layer_types) - {"linear", "conv2d"}
     if unknown:
         raise ValueError(f"sparsify_for_inference: unknown layer_types {sorted(unknown)}; use 'linear', 'conv2d'")
+    wanted = list(policies_for_format(format))
+    if policies is not None:
+        if isinstance(policies, str):
+            raise TypeError(f"sparsify_for_inference: policies={policies!r} must be a list of names, "
+                            f"e.g. [{policies!r}]")
+        bad = [p for p in policies if p not in POLICIES]
+        if bad or not policies:
+            raise ValueError(f"sparsify_for_inference: unknown policies {bad or list(policies)}; "
+                             f"use names from {list(POLICIES)}")
+        wanted = [p for p in policies if p in wanted]
+        if not wanted:
+            raise ValueError(f"sparsify_for_inference: none of policies={list(policies)} belongs to "
+                             f"format={format!r} ({list(policies_for_format(format))})")
 
     report = SparsifyReport(format=format)
     if format == "2:4" and not torch.cuda.is_available():
         report.device_note = ("no CUDA device: 2:4 semi-structured kernels need one, so the pattern is only "
                               "validated and no layer is converted")
+    elif not native.available() and any(not p.startswith(("2:4", "channels")) and "torch" not in p
+                                        for p in wanted):
+        report.device_note = f"prunekit's compiled kernels: {native.unavailable_reason()}"
 
     # Candidates, named by their first path; layers inside MultiheadAttention are
     # read directly by their parent's forward and cannot be swapped.
-    candidates: Dict[str, nn.Module] = {}
+    layers: Dict[str, nn.Module] = {}
     mha_children = set()
     for _, mod in model.named_modules():
         if isinstance(mod, nn.MultiheadAttention):
@@ -388,32 +425,30 @@ def sparsify_for_inference(
         if isinstance(mod, nn.modules.lazy.LazyModuleMixin) and mod.has_uninitialized_params():
             report.layers.append(LayerDecision(name, kind, (), 0.0, False, "lazy layer not initialized yet"))
             continue
-        candidates[name] = mod
+        layers[name] = mod
 
     inputs: Dict[str, torch.Tensor] = {}
-    if example_inputs is not None and candidates:
-        inputs = _capture_inputs(model, candidates, example_inputs)
+    if example_inputs is not None and layers:
+        inputs = _capture_inputs(model, layers, example_inputs)
 
     replacements: Dict[int, nn.Module] = {}
     with torch.no_grad():
-        for name, mod in candidates.items():
+        for name, mod in layers.items():
             decision, new = _decide(name, mod, inputs.get(name), example_inputs is not None, batch_size, format,
-                                    float(min_sparsity), float(min_speedup), measure, budget_ms / 1e3,
+                                    wanted, float(min_sparsity), float(min_speedup), measure, budget_ms / 1e3,
                                     keep_original)
             report.layers.append(decision)
             if new is not None:
                 replacements[id(mod)] = new
 
-    # All decisions made without touching the model; now swap in one go.
-    parents = _parents(model)
-    for mod_id, new in replacements.items():
-        for parent, attr in parents.get(mod_id, []):
-            setattr(parent, attr, new)
+    # Every decision is made without touching the model; now swap, all or nothing.
+    _swap(model, replacements)
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     report.layers.sort(key=lambda d: order.get(d.name, len(order)))
     for d in report.layers:
-        logger.info("sparsify_for_inference: %s %s%s sparsity %.1f%%: %s (%s)", d.name, d.kind, list(d.shape),
-                    100 * d.sparsity, f"converted to {d.format}" if d.converted else "kept dense", d.reason)
+        logger.info("sparsify_for_inference: %s %s%s sparsity %.1f%%: %s (%s) %s", d.name, d.kind, list(d.shape),
+                    100 * d.sparsity, f"converted to {d.policy}" if d.converted else "kept dense", d.reason,
+                    d.timings_line())
     return report
 
 
@@ -422,9 +457,13 @@ def _sparsity(weight: torch.Tensor) -> float:
     return float((weight == 0).sum()) / n if n else 0.0
 
 
+def _layout(policy: str) -> str:
+    return policy.split("-")[0]
+
+
 def _decide(name: str, mod: nn.Module, captured: Optional[torch.Tensor], had_example: bool, batch_size: int,
-            fmt_req: str, min_sparsity: float, min_speedup: float, measure: bool, budget_s: float,
-            keep_original: bool) -> Tuple[LayerDecision, Optional[nn.Module]]:
+            fmt_req: str, wanted: List[str], min_sparsity: float, min_speedup: float, measure: bool,
+            budget_s: float, keep_original: bool) -> Tuple[LayerDecision, Optional[nn.Module]]:
     kind = _kind(mod) or "linear"
     weight = mod.weight.detach()  # the effective (masked) weight, reparameterization or not
     shape = tuple(weight.shape)
@@ -433,72 +472,91 @@ def _decide(name: str, mod: nn.Module, captured: Optional[torch.Tensor], had_exa
     def no(reason: str, fmt: Optional[str] = None, **kw: Any) -> Tuple[LayerDecision, None]:
         return LayerDecision(name, kind, shape, sparsity, False, reason, fmt, **kw), None
 
-    # Which format to try.
-    fmt = fmt_req
+    # 2:4 semi-structured (CUDA): validate the pattern, say why it cannot run.
+    semi_builder = None
+    semi_reason = ""
     pattern_note = ""
-    if fmt_req in ("2:4", "auto") and kind == "linear":
-        ok, why = check_n_m_pattern(weight, 2, 4)
-        blocked = _semi_structured_unsupported(weight, _semi_structured_backend()) if ok else ""
-        if fmt_req == "2:4":
-            if not ok:
-                return no(f"not a 2:4 pattern: {why}", "2:4")
-            if blocked:
-                return no(f"2:4 pattern valid ({why}), not converted: {blocked}", "2:4")
+    if "2:4" in wanted:
+        if kind != "linear":
+            if fmt_req == "2:4":
+                return no("2:4 semi-structured kernels exist only for Linear layers", "2:4")
+            semi_reason = "2:4 kernels take only Linear layers"
         else:
-            fmt = "2:4" if ok and not blocked else "csr"
-            pattern_note = f"2:4 pattern valid ({why}); " if fmt == "2:4" else ""
-    elif fmt_req == "2:4":
-        return no("2:4 semi-structured kernels exist only for Linear layers", "2:4")
-    elif fmt_req == "auto":
-        fmt = "csr"
+            ok, why = check_n_m_pattern(weight, 2, 4)
+            blocked = _semi_structured_unsupported(weight, _semi_structured_backend()) if ok else ""
+            if fmt_req == "2:4":
+                if not ok:
+                    return no(f"not a 2:4 pattern: {why}", "2:4")
+                if blocked:
+                    return no(f"2:4 pattern valid ({why}), not converted: {blocked}", "2:4")
+            if ok and not blocked:
+                pattern_note = f"2:4 pattern valid ({why}); "
+                semi_builder = lambda: SemiStructuredLinear(mod, weight, _semi_structured_backend(),  # noqa: E731
+                                                            keep_original)
+            else:
+                semi_reason = f"not a 2:4 pattern: {why}" if not ok else blocked
 
-    if fmt == "csr" and sparsity < min_sparsity:
-        return no(f"sparsity {sparsity:.1%} is below min_sparsity {min_sparsity:.0%}", fmt)
+    if sparsity < min_sparsity and semi_builder is None:
+        return no(f"sparsity {sparsity:.1%} is below min_sparsity {min_sparsity:.0%}", _layout(wanted[0]))
     if kind == "conv2d":
         bad = conv2d_unsupported_reason(mod)
         if bad:
-            return no(f"convolution not supported by CSRConv2d: {bad}", fmt)
+            return no(f"convolution not supported by CSRConv2d: {bad}", "csr")
 
     # The input to measure on.
     if captured is not None:
         x = captured
     elif had_example:
-        return no("not reached when the model ran on example_inputs", fmt)
+        return no("not reached when the model ran on example_inputs")
     elif kind == "conv2d":
-        return no("a convolution needs example_inputs to know its input size", fmt)
+        return no("a convolution needs example_inputs to know its input size", "csr")
     else:
         x = torch.randn(batch_size, shape[1], dtype=weight.dtype, device=weight.device)
-    if kind == "linear":
-        rows = int(x.numel() // max(x.shape[-1], 1))
-    else:
-        rows = int(x.shape[0]) if x.dim() == 4 else 1
+    rows = int(x.numel() // max(x.shape[-1], 1)) if kind == "linear" else (int(x.shape[0]) if x.dim() == 4 else 1)
 
-    try:
-        new = _build(kind, fmt, mod, weight, keep_original)
-        sparse_out = new(x)
-    except Exception as exc:  # an unsupported dtype/device combination of the sparse kernels
-        return no(f"{fmt} kernel unavailable here: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}", fmt)
+    builders, not_tried = candidates(kind, mod, weight, wanted, keep_original, semi_builder, semi_reason)
     dense_out = mod(x)
-    if not _outputs_match(sparse_out, dense_out):
-        return no(f"{fmt} output differs from the dense layer beyond tolerance; kept dense", fmt)
+    built: Dict[str, nn.Module] = {}
+    for policy in preferred(list(builders)):
+        try:
+            new = builders[policy]()
+            out = new(x)
+        except Exception as exc:  # an unsupported dtype/device combination of a sparse kernel
+            not_tried[policy] = f"unavailable here: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            continue
+        if not _outputs_match(out, dense_out):
+            not_tried[policy] = "output differs from the dense layer beyond tolerance"
+            continue
+        built[policy] = new
+        if not measure:
+            break  # the first that runs, in order of preference
+    if not built:
+        why = "; ".join(f"{p}: {r}" for p, r in not_tried.items()) or "no policy applies"
+        return no(f"no sparse policy can run this layer ({why})", _layout(wanted[0]), not_tried=not_tried)
     if not measure:
+        policy, new = next(iter(built.items()))
         return LayerDecision(name, kind, shape, sparsity, True, pattern_note + "converted without measuring "
-                             "(measure=False)", fmt, rows), new
+                             "(measure=False)", _layout(policy), rows, policy=policy, not_tried=not_tried), new
 
-    key = (fmt, kind, shape, _conv_key(mod) if kind == "conv2d" else None, round(sparsity, 2),
+    structure = tuple(sorted(built))  # which layouts fit this weight (block fill, zero channels) decides the set
+    key = (kind, shape, _conv_key(mod) if kind == "conv2d" else None, round(sparsity, 2), structure,
            tuple(x.shape), weight.dtype, str(weight.device), torch.get_num_threads())
     cached = key in _DECISION_CACHE
     if not cached:
-        _DECISION_CACHE[key] = _time_pair(lambda: mod(x), lambda: new(x), weight.device, budget_s)
-    dense_s, sparse_s = _DECISION_CACHE[key]
-    timing = dict(rows=rows, dense_ms=dense_s * 1e3, sparse_ms=sparse_s * 1e3, cached=cached)
-    speedup = dense_s / sparse_s if sparse_s > 0 else float("inf")
+        fns = {policy: (lambda m=m: m(x)) for policy, m in built.items()}
+        _DECISION_CACHE[key] = measure_in_context(lambda: mod(x), fns, weight.device, budget_s)
+    dense_s, times = _DECISION_CACHE[key]
+    best = min(times, key=times.get)
+    timings_ms = {"dense": dense_s * 1e3, **{p: t * 1e3 for p, t in times.items()}}
+    speedup = dense_s / times[best] if times[best] > 0 else float("inf")
+    info = dict(rows=rows, dense_ms=dense_s * 1e3, sparse_ms=times[best] * 1e3, cached=cached, policy=best,
+                timings_ms=timings_ms, not_tried=not_tried)
     if speedup >= min_speedup:
         return LayerDecision(name, kind, shape, sparsity, True,
-                             pattern_note + f"{fmt} is {speedup:.2f}x faster than dense on {rows} rows",
-                             fmt, **timing), new
-    return no(f"{fmt} is only {speedup:.2f}x as fast as dense on {rows} rows (needs {min_speedup:.2f}x)",
-              fmt, **timing)
+                             pattern_note + f"{best} is {speedup:.2f}x faster than dense on {rows} rows",
+                             _layout(best), **info), built[best]
+    return no(f"the fastest policy, {best}, is only {speedup:.2f}x as fast as dense on {rows} rows "
+              f"(needs {min_speedup:.2f}x)", _layout(best), **info)
 
 
 def _conv_key(mod: nn.Module) -> Tuple[Any, ...]:
@@ -506,13 +564,14 @@ def _conv_key(mod: nn.Module) -> Tuple[Any, ...]:
 
 
 def restore_dense(model: nn.Module) -> nn.Module:
-    """Undo :func:`sparsify_for_inference`: put dense layers back, in place.
+    """Undo :func:`sparsify_for_inference`: put dense layers back, in place, all or nothing.
 
     Each sparse module is replaced by the module it replaced when that was
     kept (``keep_original=True``, the default: the very same object, with its
     pruning reparameterization if it had one), or else by a plain dense layer
     holding the masked weights. Returns ``model`` (or the restored module when
-    ``model`` itself is a sparse module).
+    ``model`` itself is a sparse module). On any exception,
+    ``KeyboardInterrupt`` included, the model is left as it was.
 
     Example:
         >>> import torch
@@ -529,14 +588,10 @@ def restore_dense(model: nn.Module) -> nn.Module:
         raise TypeError(f"restore_dense: expected an nn.Module, got {type(model).__name__}")
     if isinstance(model, SparseInferenceModule):
         return model.original if model.original is not None else model.to_dense_module()
-    parents = _parents(model)
-    done: Dict[int, nn.Module] = {}
+    dense: Dict[int, nn.Module] = {}
     for _, mod in list(model.named_modules()):
-        if isinstance(mod, SparseInferenceModule) and id(mod) not in done:
-            done[id(mod)] = mod.original if mod.original is not None else mod.to_dense_module()
-    for mod_id, dense in done.items():
-        for parent, attr in parents.get(mod_id, []):
-            setattr(parent, attr, dense)
-    logger.info("restore_dense: %d sparse layer(s) restored", len(done))
+        if isinstance(mod, SparseInferenceModule) and id(mod) not in dense:
+            dense[id(mod)] = mod.original if mod.original is not None else mod.to_dense_module()
+    _swap(model, dense)
+    logger.info("restore_dense: %d sparse layer(s) restored", len(dense))
     return model
-

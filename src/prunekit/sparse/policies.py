@@ -1,0 +1,200 @@
+"""Execution policies for one pruned layer, and their measurement in context.
+
+A *policy* is a way to run a layer: a storage layout, a kernel and a thread
+count. :func:`candidates` lists the policies that can run a given layer (and
+why each other one cannot); :func:`measure_in_context` times each of them the
+way a model runs it -- every call right after the dense layer's own call, so
+each candidate starts with the dense op's OpenMP threads still spinning and
+its caches holding the dense op's data -- and returns medians.
+
+Policy names (the ``-1t`` variants run on one thread, the others on torch's
+thread count):
+
+=================  =============================================================
+``csr``            prunekit's compiled CSR kernel (:mod:`prunekit.sparse.native`)
+``csr-torch``      ``torch.sparse`` CSR (MKL on CPU, cuSPARSE on CUDA)
+``bsr4x1``         prunekit's compiled kernel over 4x1 blocks (4 outputs x 1 input)
+``bsr1x4``         ... over 1x4 blocks (1 output x 4 consecutive inputs)
+``channels``       all-zero rows/columns dropped: a smaller dense product + scatter
+``2:4``            ``torch.sparse`` semi-structured 2:4 (CUDA only)
+=================  =============================================================
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from . import native
+from .modules import (
+    BSRLinear,
+    ChannelLinear,
+    CSRConv2d,
+    CSRLinear,
+    block_fill,
+    bsr_unsupported_reason,
+)
+
+__all__ = ["POLICIES", "candidates", "measure_in_context", "preferred"]
+
+POLICIES: Tuple[str, ...] = ("csr", "csr-1t", "csr-torch", "csr-torch-1t", "bsr4x1", "bsr4x1-1t", "bsr1x4",
+                             "bsr1x4-1t", "channels", "2:4")
+_FORMAT_POLICIES = {
+    "csr": ("csr", "csr-1t", "csr-torch", "csr-torch-1t"),
+    "bsr": ("bsr4x1", "bsr4x1-1t", "bsr1x4", "bsr1x4-1t"),
+    "channels": ("channels",),
+    "2:4": ("2:4",),
+    "auto": POLICIES,
+}
+# A blocked layout stores whole blocks; past a third of stored zeros it does more work than CSR.
+MIN_BLOCK_FILL = 0.75
+# The smaller dense product must drop at least a fifth of the weight to be worth the gather/scatter.
+MAX_CHANNEL_AREA = 0.8
+
+Builder = Callable[[], nn.Module]
+
+
+def _split(name: str) -> Tuple[str, str, int]:
+    """'csr-torch-1t' -> ('csr', 'torch', 1)."""
+    threads = 1 if name.endswith("-1t") else 0
+    base = name[:-3] if threads else name
+    kernel = "torch" if base.endswith("-torch") else "prunekit"
+    layout = base[:-6] if kernel == "torch" else base
+    return layout, kernel, threads
+
+
+def policies_for_format(fmt: str) -> Tuple[str, ...]:
+    """The policies a ``format`` of :func:`prunekit.sparse.sparsify_for_inference` allows."""
+    return _FORMAT_POLICIES[fmt]
+
+
+def candidates(kind: str, module: nn.Module, weight: torch.Tensor, wanted: Sequence[str], keep_original: bool,
+               semi_structured: Optional[Callable[[], Any]] = None,
+               semi_structured_reason: str = "") -> Tuple[Dict[str, Builder], Dict[str, str]]:
+    """Which of the ``wanted`` policies can run this layer: ``({name: builder}, {name: why not})``.
+
+    Example:
+        >>> import torch
+        >>> from prunekit.sparse.policies import candidates
+        >>> lin = torch.nn.Linear(64, 64)
+        >>> with torch.no_grad():
+        ...     lin.weight[:, ::2] = 0      # every other input: half of each 1x4 block
+        >>> build, why_not = candidates("linear", lin, lin.weight.detach(), ["csr-torch", "bsr1x4"], True)
+        >>> sorted(build)
+        ['csr-torch']
+        >>> why_not["bsr1x4"]
+        "only 50% of the stored 1x4 blocks would be non-zero (needs 75%: prune with pattern '1x4')"
+    """
+    original = module if keep_original else None
+    cpu = weight.device.type == "cpu"
+    one_thread = torch.get_num_threads() == 1
+    fills: Dict[Tuple[int, int], float] = {}
+    builders: Dict[str, Builder] = {}
+    skipped: Dict[str, str] = {}
+    for name in wanted:
+        layout, kernel, threads = _split(name)
+        if name == "2:4":
+            if semi_structured is None:
+                skipped[name] = semi_structured_reason or "2:4 kernels take only Linear layers"
+            else:
+                builders[name] = semi_structured
+            continue
+        if threads == 1 and (one_thread or not cpu):
+            skipped[name] = "torch already runs on one thread" if cpu else "thread count applies to CPU only"
+            continue
+        if kernel == "prunekit" and not (cpu and weight.dtype in (torch.float32, torch.float64)):
+            skipped[name] = f"prunekit's kernels take float32/float64 CPU tensors, not {weight.dtype} on {weight.device}"
+            continue
+        if kernel == "prunekit" and not native.available():
+            skipped[name] = f"compiled kernels unavailable: {native.unavailable_reason()}"
+            continue
+        if layout == "csr":
+            if kind == "linear":
+                builders[name] = (lambda k=kernel, t=threads: CSRLinear(weight, module.bias, original, kernel=k,
+                                                                        threads=t))
+            else:
+                builders[name] = (lambda k=kernel, t=threads: CSRConv2d(module, weight, keep_original, kernel=k,
+                                                                        threads=t))
+            continue
+        if kind != "linear":
+            skipped[name] = f"{layout} runs Linear layers only"
+            continue
+        if layout in ("bsr4x1", "bsr1x4"):
+            block = (4, 1) if layout == "bsr4x1" else (1, 4)
+            bad = bsr_unsupported_reason(weight, block)
+            if bad:
+                skipped[name] = bad
+                continue
+            fill = fills.setdefault(block, block_fill(weight, block))
+            if fill < MIN_BLOCK_FILL:
+                skipped[name] = (f"only {fill:.0%} of the stored {block[0]}x{block[1]} blocks would be non-zero "
+                                 f"(needs {MIN_BLOCK_FILL:.0%}: prune with pattern '{block[0]}x{block[1]}')")
+                continue
+            builders[name] = lambda b=block, t=threads: BSRLinear(weight, module.bias, original, block=b, threads=t)
+        elif layout == "channels":
+            nz = weight != 0
+            area = float(nz.any(1).sum()) * float(nz.any(0).sum()) / max(weight.numel(), 1)
+            if area > MAX_CHANNEL_AREA:
+                skipped[name] = (f"whole zero rows/columns leave {area:.0%} of the weight (needs at most "
+                                 f"{MAX_CHANNEL_AREA:.0%})")
+                continue
+            builders[name] = lambda: ChannelLinear(weight, module.bias, original)
+        else:  # pragma: no cover - names are validated by the caller
+            skipped[name] = "unknown policy"
+    return builders, skipped
+
+
+def preferred(names: Sequence[str]) -> List[str]:
+    """The order to try policies in without measuring: blocked layouts, compiled CSR, torch's CSR on one thread."""
+    order = ["2:4", "bsr4x1", "bsr1x4", "csr", "csr-torch-1t", "csr-torch", "csr-1t", "bsr4x1-1t", "bsr1x4-1t",
+             "channels"]
+    return sorted(names, key=lambda n: order.index(n) if n in order else len(order))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_in_context(dense: Callable[[], Any], fns: Dict[str, Callable[[], Any]], device: torch.device,
+                       budget_s: float, min_rounds: int = 5, max_rounds: int = 50) -> Tuple[float, Dict[str, float]]:
+    """Median seconds of the dense call and of each candidate, every candidate call right after a dense call.
+
+    Rounds go through all candidates in turn (dense, a, dense, b, ...) until
+    ``budget_s`` is spent, at least ``min_rounds`` and at most ``max_rounds``
+    times, so a change in machine load hits every candidate alike; the dense
+    figure is the median over all its calls.
+
+    Example:
+        >>> import torch
+        >>> from prunekit.sparse.policies import measure_in_context
+        >>> a = torch.randn(64, 64)
+        >>> dense_s, times = measure_in_context(lambda: a @ a, {"same": lambda: a @ a}, a.device, 0.0)
+        >>> sorted(times), dense_s > 0
+        (['same'], True)
+    """
+    dense()
+    for fn in fns.values():
+        fn()
+    _sync(device)
+    dense_times: List[float] = []
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < max_rounds and (rounds < min_rounds or time.perf_counter() - start < budget_s):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            dense()
+            _sync(device)
+            t1 = time.perf_counter()
+            fn()
+            _sync(device)
+            t2 = time.perf_counter()
+            dense_times.append(t1 - t0)
+            times[name].append(t2 - t1)
+        rounds += 1
+    return statistics.median(dense_times), {name: statistics.median(v) for name, v in times.items()}
