@@ -27,13 +27,17 @@ def test_every_public_torch_name_exists_in_prunekit():
 def test_every_name_in_all_is_its_home_modules_documented_object():
     for name in prunekit.__all__:
         obj = getattr(prunekit, name)
+        if inspect.ismodule(obj):  # prunekit.oneshot: the package is the verb (callable as its function)
+            assert name in prunekit._SUBMODULES and callable(obj), name
+            assert obj.__call__.__doc__ == getattr(obj, name).__doc__, name
+            obj = getattr(obj, name)
         assert inspect.isclass(obj) or inspect.isfunction(obj), name
         home = prunekit._LAZY.get(name)
         if home is not None:  # lazily exported: the very object of the submodule that defines it
             assert getattr(importlib.import_module(home, "prunekit"), name) is obj, name
         assert obj.__module__.startswith("prunekit."), (name, obj.__module__)
         assert (obj.__doc__ or "").strip(), f"{name} has no docstring"
-    for sub in ("compact", "training", "sparse", "kernels", "reparam", "report", "importance"):
+    for sub in ("compact", "training", "sparse", "kernels", "reparam", "report", "importance", "io", "oneshot"):
         assert getattr(prunekit, sub) is importlib.import_module(f"prunekit.{sub}")
     with pytest.raises(AttributeError, match="no attribute 'l1_unstrutured'"):
         prunekit.l1_unstrutured
