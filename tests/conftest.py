@@ -24,6 +24,16 @@ def _seed():
     yield
 
 
+@pytest.fixture
+def one_thread():
+    """Small models: one intra-op thread is as fast and spends a quarter of the CPU on a busy machine.
+    A test file opts in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # ------------------------------------------------------------ framework fixture
 FRAMEWORKS = ["torch", "tensorplay"]
 

@@ -31,13 +31,7 @@ from prunekit.compact import (
 from compact_models import MLP, DWSeparable, EncoderBlock, ResNetLike
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _run(m, x):

@@ -18,13 +18,7 @@ from prunekit.compact import build_dependency_graph, compact, compaction_descrip
 from compact_models import MLP, ResNetLike
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rel(a, b):

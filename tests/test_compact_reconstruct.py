@@ -11,13 +11,7 @@ from prunekit.compact import compact, prune_groups, prune_with_calibration
 from compact_models import MLP
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _data(n=6, rows=64, d=32, seed=0):

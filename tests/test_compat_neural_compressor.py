@@ -15,13 +15,7 @@ from prunekit.kernels.patterns import get_pattern
 from prunekit.training.schedules import get_scheduler
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small models: one intra-op thread is as fast and spends a quarter of the CPU on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------ a ResNet-18-shaped model

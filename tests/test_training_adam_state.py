@@ -11,13 +11,7 @@ from torch import nn
 from prunekit.training import _optim, prepare_pruning
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small models: one intra-op thread is as fast and spends a quarter of the CPU on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 CONFIG = {"prune_type": "snip_momentum", "pattern": "1x1", "target_sparsity": 0.8, "start_step": 10,
           "end_step": 150, "update_frequency_on_step": 10, "sparsity_decay_type": "cube"}

@@ -15,13 +15,7 @@ from prunekit.training import PruningCallbacks, prepare_pruning
 from prunekit.training import pruners as pruners_mod
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small models: one intra-op thread is as fast and spends a quarter of the CPU on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def bits(t):
