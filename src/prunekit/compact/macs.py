@@ -19,21 +19,30 @@ def _prod(xs: Any) -> int:
 
 
 class _MacMode(TorchFunctionMode):
-    def __init__(self) -> None:
+    """Adds up the MACs of every counted op; ``effective``: a linear/conv op counts only its non-zero weights."""
+
+    def __init__(self, effective: bool = False) -> None:
         super().__init__()
         self.macs = 0
+        self.effective = effective
+
+    def _weight_macs(self, out: torch.Tensor, w: torch.Tensor) -> int:
+        """A linear/conv op: every output element reads ``w.shape[1:]`` weights; effective: only non-zero ones.
+
+        Each output position (an output element per output channel) reads every weight once, so the
+        effective count is (non-zero weights) x (output positions); NaN counts as non-zero.
+        """
+        if not self.effective:
+            return out.numel() * _prod(w.shape[1:])
+        positions = out.numel() // w.shape[0] if w.shape[0] else 0
+        return int(torch.count_nonzero(w.detach())) * positions
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name == "linear":
+        if name in ("linear", "conv1d", "conv2d", "conv3d"):
             out = func(*args, **kwargs)
-            self.macs += out.numel() * args[1].shape[-1]
-            return out
-        if name in ("conv1d", "conv2d", "conv3d"):
-            out = func(*args, **kwargs)
-            w = args[1] if len(args) > 1 else kwargs["weight"]
-            self.macs += out.numel() * _prod(w.shape[1:])
+            self.macs += self._weight_macs(out, args[1] if len(args) > 1 else kwargs["weight"])
             return out
         if name in ("matmul", "__matmul__", "bmm", "mm", "baddbmm", "addmm", "addbmm"):
             out = func(*args, **kwargs)
@@ -62,18 +71,27 @@ def _mha_macs(args: tuple, kwargs: dict) -> int:
     return nq * e * e + 2 * nk * e * e + 2 * nq * src * e + nq * w_out.shape[1] * w_out.shape[0]
 
 
-def count_macs(model: nn.Module, example_inputs: Any) -> int:
+def count_macs(model: nn.Module, example_inputs: Any, *, effective: bool = False) -> int:
     """Multiply-accumulates of one forward pass: linear, conv, matmul and attention ops.
 
-    Element-wise ops, norms and pooling are not counted.
+    Element-wise ops, norms and pooling are not counted. With ``effective=True``
+    a linear or convolution op counts only its non-zero weights (the MACs a
+    kernel that skips zero weights would do: non-zero weights x output
+    positions); a pruned module counts through its effective weight
+    (``weight_orig * weight_mask``). Ops without weights (matmul, attention)
+    count in full either way.
 
     Example:
         >>> import torch
-        >>> count_macs(torch.nn.Linear(8, 4), torch.randn(3, 8))
+        >>> fc = torch.nn.Linear(8, 4)
+        >>> count_macs(fc, torch.randn(3, 8))
         96
+        >>> with torch.no_grad(): fc.weight[:, :6] = 0
+        >>> count_macs(fc, torch.randn(3, 8), effective=True)  # 8 non-zero weights x 3 rows
+        24
     """
     args, kwargs = split_inputs(example_inputs)
-    mode = _MacMode()
+    mode = _MacMode(effective)
     was = [(m, m.training) for m in model.modules()]
     model.eval()
     try:

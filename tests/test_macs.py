@@ -1,0 +1,69 @@
+"""prunekit.compact.count_macs: exact counts for Linear and Conv2d, dense and counting only non-zero weights."""
+
+import pytest
+import torch
+from torch import nn
+
+import prunekit
+from prunekit.compact import count_macs
+
+
+def _zero_some(w: torch.Tensor, every: int) -> int:
+    """Zero every ``every``-th weight (flat order); returns how many weights stay non-zero."""
+    with torch.no_grad():
+        w.view(-1)[::every] = 0
+    return int((w != 0).sum())
+
+
+def test_linear_dense_and_effective():
+    torch.manual_seed(0)
+    fc = nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    assert count_macs(fc, x) == 3 * 4 * 8 == count_macs(fc, x, effective=True)
+    nnz = _zero_some(fc.weight, 3)
+    assert nnz == 32 - 11
+    assert count_macs(fc, x) == 96  # every weight is read
+    assert count_macs(fc, x, effective=True) == 3 * nnz  # each of the 3 rows reads the 21 non-zero weights
+    # a sequence input: every one of the 2 x 5 positions reads every non-zero weight
+    assert count_macs(fc, torch.randn(2, 5, 8), effective=True) == 10 * nnz
+    assert count_macs(fc, torch.randn(2, 5, 8)) == 10 * 32
+
+
+@pytest.mark.parametrize("groups, stride", [(1, 1), (3, 2)])
+def test_conv2d_dense_and_effective(groups, stride):
+    torch.manual_seed(0)
+    conv = nn.Conv2d(6, 9, 3, padding=1, stride=stride, groups=groups)
+    x = torch.randn(2, 6, 7, 7)
+    hw = 7 if stride == 1 else 4  # output side: (7 + 2 - 3) // stride + 1
+    positions = 2 * hw * hw
+    dense = positions * 9 * (6 // groups) * 3 * 3
+    assert count_macs(conv, x) == dense == count_macs(conv, x, effective=True)
+    nnz = _zero_some(conv.weight, 4)
+    assert nnz == conv.weight.numel() - (conv.weight.numel() + 3) // 4
+    assert count_macs(conv, x) == dense
+    assert count_macs(conv, x, effective=True) == positions * nnz
+    # an unbatched input (C, H, W) has hw * hw positions
+    assert count_macs(conv, x[0], effective=True) == hw * hw * nnz
+
+
+def test_pruned_modules_count_their_effective_weight_and_whole_models_add_up():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 10))
+    x = torch.randn(5, 1, 8, 8)
+    prunekit.l1_unstructured(model[0], "weight", amount=10)  # 26 of 36 weights left, read at 5 x 36 positions
+    prunekit.l1_unstructured(model[3], "weight", amount=0.75)  # 360 of 1440 weights left, read once per image
+    assert count_macs(model, x) == 5 * 36 * 36 + 5 * 1440
+    assert count_macs(model, x, effective=True) == 5 * 36 * 26 + 5 * 360
+    # the same with the masks baked in: the zeros are what is counted, not the mask machinery
+    for m in (model[0], model[3]):
+        prunekit.remove(m, "weight")
+    assert count_macs(model, x, effective=True) == 5 * 36 * 26 + 5 * 360
+
+
+def test_matmul_counts_in_full_either_way():
+    class Bilinear(nn.Module):
+        def forward(self, a, b):
+            return a @ b
+
+    a, b = torch.zeros(3, 4), torch.randn(4, 5)
+    assert count_macs(Bilinear(), (a, b)) == count_macs(Bilinear(), (a, b), effective=True) == 3 * 5 * 4
