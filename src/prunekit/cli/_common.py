@@ -248,9 +248,10 @@ def print_table(title: str, columns: List[str], rows: List[List[str]], footer: O
 
 
 def say(text: str) -> None:
+    """One line on stdout, as written (no rich markup: ``prunekit[hf]`` or a path with brackets stays whole)."""
     con = console()
     if con is not None:
-        con.print(text)
+        con.print(text, markup=False)
     else:
         print(text)
 
