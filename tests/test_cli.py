@@ -395,7 +395,9 @@ def quick_demo(tmp_path_factory):
     # in a subprocess: the demo imports scikit-learn (and so scipy), which must not leak into this
     # process (TensorPlay cannot find LAPACK once scipy's OpenBLAS is loaded)
     out = tmp_path_factory.mktemp("demo")
-    p = subprocess.run([sys.executable, "-m", "prunekit", "demo", "--quick", "--out", str(out), "--json"],
+    # the pretrained (MiniLM-L6) part is tested on its own in tests/test_demo.py: left out here to save ~12 s
+    p = subprocess.run([sys.executable, "-m", "prunekit", "demo", "--quick", "--no-pretrained", "--out", str(out),
+                        "--json"],
                        capture_output=True, text=True, env=_env(), timeout=600)
     return p.returncode, p.stdout, p.stderr, out
 
@@ -406,6 +408,8 @@ def test_demo_quick_json(quick_demo):
     d = json.loads(stdout)
     assert d == json.loads((out / "results.json").read_text())
     assert d["errors"] == []
+    assert d["pretrained"]["rows"] == [] and d["pretrained"]["skipped"].startswith("turned off (--no-pretrained")
+    assert d["settings"]["pretrained"] is False
     keys = [r["key"] for r in d["results"]]
     assert keys == ["oneshot_magnitude_50", "oneshot_magnitude_90", "gradual_magnitude_50", "gradual_magnitude_90",
                     "gradual_snip_momentum_50", "gradual_snip_momentum_90", "nm_2_4", "channels_50_compacted"]
@@ -529,7 +533,8 @@ def test_demo_failed_stage_is_reported_and_the_rest_still_runs(capsys, tmp_path,
         return x[:256], y[:256], x[256:], y[256:]
 
     monkeypatch.setattr(demo, "load_data", synthetic_digits)
-    tiny = demo.DemoSettings(dense_epochs=1, finetune_epochs=1, levels=(0.9,), latency_repeats=3, name="tiny")
+    tiny = demo.DemoSettings(dense_epochs=1, finetune_epochs=1, levels=(0.9,), latency_repeats=3, name="tiny",
+                             pretrained=False)
     monkeypatch.setattr(demo.DemoSettings, "quick", classmethod(lambda cls, **kw: tiny))
 
     def broken(*args, **kwargs):

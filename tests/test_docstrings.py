@@ -11,6 +11,8 @@ import prunekit
 # modules whose examples run elsewhere, and why
 ELSEWHERE = {
     "prunekit.demo": "tests/test_report.py, in a subprocess (scikit-learn's SciPy must stay out of this process)",
+    "prunekit.demo.digits": "the same", "prunekit.demo.pretrained": "the same", "prunekit.demo.settings": "the same",
+    "prunekit.demo.stages": "the same", "prunekit.demo.text": "the same",
     "prunekit.__main__": "importing it runs the command line",
 }
 

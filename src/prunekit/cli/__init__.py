@@ -25,8 +25,8 @@ __all__ = ["main", "build_parser"]
 
 _EPILOG = """\
 examples:
-  prunekit demo                       train, prune and compare on scikit-learn's digits (< 3 min)
-  prunekit demo --quick --out /tmp/d  the same in ~30 s
+  prunekit demo                       prune and compare: a CNN on scikit-learn's digits, MiniLM-L6 (< 3 min)
+  prunekit demo --quick --out /tmp/d  a shorter version (~40 s)
   prunekit inspect model.safetensors  per-layer sparsity of a checkpoint
   prunekit prune --model torchvision.models:resnet18 --weights r18.pt \\
                  --method global_magnitude --amount 0.8 --out r18-80.safetensors

