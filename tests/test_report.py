@@ -275,3 +275,12 @@ def test_demo_docstring_examples_run():
             " else 1)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_grouped_bars_name_the_missing_field(tmp_path):
+    from prunekit.report import plot_grouped_bars
+
+    with pytest.raises(ValueError, match=r"plot_grouped_bars: row .* has no 'cosine'"):
+        plot_grouped_bars([{"pattern": "2:4", "method": "magnitude"}], tmp_path / "x.png", group="pattern",
+                          series="method", value="cosine", ylabel="mean cosine")
+    assert not (tmp_path / "x.png").exists()
