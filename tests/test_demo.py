@@ -51,6 +51,7 @@ def test_stages_give_every_model_and_the_mac_figures_are_exact(tiny_run, tmp_pat
     assert [x["key"] for x in r["results"]] == ["oneshot_magnitude_90", "gradual_magnitude_90",
                                                 "gradual_snip_momentum_90", "nm_2_4", "channels_50_compacted"]
     assert r["errors"] == [] and r["pretrained"]["skipped"].startswith("turned off")
+    assert "pretrained_plot" not in r["files"] and not (tmp_path / "minilm_oneshot.png").exists()
     assert json.loads((tmp_path / "results.json").read_text()) == json.loads(json.dumps(r))
     dense = kept["dense"]
     assert r["dense"]["macs"] == r["dense"]["effective_macs"] == _hand_effective_macs(dense)
@@ -80,6 +81,20 @@ def test_a_failing_stage_is_recorded_and_the_others_still_run(tiny_run, tmp_path
     assert r["chosen"] == "gradual_magnitude_90" and r["chosen_layers"] is None  # nothing to report: said so
     assert r["files"]["layers_plot"] is None and r["checks"][-1]["passed"] in (True, False)
     assert json.loads((tmp_path / "results.json").read_text())["errors"] == r["errors"]
+
+
+def test_pretrained_figures_reach_results_json_and_their_plot(tiny_run, tmp_path, monkeypatch):
+    rows = [{"key": f"minilm_{m}_{p}", "method": m, "label": m, "pattern": p, "target": 0.5, "sparsity": 0.5,
+             "layers": 36, "cosine": c, "seconds": 1.0}
+            for m, p, c in [("magnitude", "50%", 0.73), ("prunekit", "50%", 0.92), ("magnitude", "2:4", 0.61)]]
+    fake = {"model": "m", "calibration_sentences": 4, "evaluation_sentences": 8, "rows": rows, "skipped": None}
+    monkeypatch.setattr(demo, "minilm_oneshot", lambda settings, stage=None: fake)
+    r = tiny_run(tmp_path, pretrained=True)
+    assert r["errors"] == [] and r["pretrained"] == fake
+    assert json.loads((tmp_path / "results.json").read_text())["pretrained"] == fake
+    assert r["files"]["pretrained_plot"] == str(tmp_path / "minilm_oneshot.png")
+    with open(r["files"]["pretrained_plot"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_pretrained_stage_is_skipped_with_a_note_without_transformers(monkeypatch):

