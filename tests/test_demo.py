@@ -13,6 +13,8 @@ import prunekit.demo as demo
 from prunekit.demo import DemoSettings, run_demo
 from prunekit.demo.pretrained import minilm_oneshot
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def synthetic_digits(seed=0):
     """Stands in for scikit-learn's digits (kept out of this process): 256 training and 64 test images."""
@@ -128,12 +130,7 @@ def test_pretrained_stage_on_the_real_minilm():
     settings = DemoSettings.quick(pretrained_methods=("magnitude", "wanda"), pretrained_patterns=("0.5", "2:4"),
                                   pretrained_calibration=4, pretrained_evaluation=16)
     stages = []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        out = minilm_oneshot(settings, stages.append)
-    finally:
-        torch.set_num_threads(threads)
+    out = minilm_oneshot(settings, stages.append)
     assert out["skipped"] is None and (out["calibration_sentences"], out["evaluation_sentences"]) == (4, 16)
     assert [r["key"] for r in out["rows"]] == ["minilm_magnitude_50", "minilm_wanda_50", "minilm_magnitude_2_4",
                                                "minilm_wanda_2_4"]

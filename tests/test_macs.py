@@ -7,6 +7,8 @@ from torch import nn
 import prunekit
 from prunekit.compact import count_macs
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _zero_some(w: torch.Tensor, every: int) -> int:
     """Zero every ``every``-th weight (flat order); returns how many weights stay non-zero."""
