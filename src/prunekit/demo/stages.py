@@ -37,7 +37,19 @@ def _pct(s: float) -> str:
 
 @dataclass
 class DemoRun:
-    """What the stages share: settings, data, folders, the dense model and the pruned models so far."""
+    """What the stages share: settings, data, folders, the dense model and the pruned models so far.
+
+    Example (random images standing in for the digits, one epoch):
+        >>> import tempfile, torch
+        >>> from prunekit.demo import DemoSettings
+        >>> from prunekit.demo.stages import DemoRun, oneshot_magnitude, train_dense
+        >>> x, y = torch.randn(96, 1, 8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(96) % 10
+        >>> run = DemoRun.start(DemoSettings(dense_epochs=1, levels=(0.5, 0.9)), (x[:64], y[:64], x[64:], y[64:]),
+        ...                     tempfile.mkdtemp(), None)
+        >>> train_dense(run); oneshot_magnitude(run)
+        >>> list(run.finals), run.errors
+        (['oneshot_magnitude_50', 'oneshot_magnitude_90'], [])
+    """
 
     settings: DemoSettings
     data: Tuple[Tensor, Tensor, Tensor, Tensor]
@@ -88,6 +100,7 @@ class DemoRun:
             return None
 
     def finetune(self, model: nn.Module, wire: Optional[Callable[[torch.optim.Optimizer, int], Any]] = None) -> Any:
+        """Fine-tune ``model`` as every pruning stage does (``wire`` attaches a pruner); returns what it returned."""
         s = self.settings
         return train(model, self.data, s.finetune_epochs, s.finetune_lr, s, self.stepper, s.seed + 1, wire=wire)
 
