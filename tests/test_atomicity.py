@@ -458,17 +458,40 @@ _X4 = torch.randn(2, 4, generator=torch.Generator().manual_seed(2))
 _GRADUAL = {"prune_type": "magnitude", "pattern": "1x1", "target_sparsity": 0.5, "end_step": 2}
 
 
-def _channel_masked() -> Dict[str, Any]:
+def _once(key: str, build: Callable[[], Any]) -> Any:
+    """A fresh deep copy of what ``build`` makes, built once (a setup runs once per trial)."""
+    if key not in _TEMPLATES:
+        _TEMPLATES[key] = build()
+    return copy.deepcopy(_TEMPLATES[key])
+
+
+def _channel_masked_mlp() -> nn.Module:
     m = _mlp()
     prunekit.prune_groups(m, _X4, 0.5)
-    return {"model": m}
+    return m
+
+
+def _channel_masked() -> Dict[str, Any]:
+    return {"model": _once("channel_masked", _channel_masked_mlp)}
+
+
+def _compacted_files() -> Dict[str, Any]:
+    from prunekit.compact import compact, compaction_description
+
+    small = compact(_channel_masked_mlp(), _X4)
+    return {"sd": small.state_dict(), "desc": compaction_description(small)}
 
 
 def _compacted() -> Dict[str, Any]:
-    from prunekit.compact import compact, compaction_description
+    return {"model": _mlp(), **_once("compacted", _compacted_files)}
 
-    small = compact(_channel_masked()["model"], _X4)
-    return {"model": _mlp(), "sd": small.state_dict(), "desc": compaction_description(small)}
+
+def _fusable() -> nn.Module:
+    m = _net()
+    prunekit.l1_unstructured(m[0], "weight", 0.5)
+    prunekit.l1_unstructured(m[3], "weight", 0.5)
+    m.add_module("5", nn.ReLU())
+    return m.eval()
 
 
 PACKAGE_CASES: List[Case] = [
@@ -487,6 +510,8 @@ PACKAGE_CASES: List[Case] = [
          lambda e: prunekit.compact.compact(e["model"], _X4, inplace=True), scale=0.4),
     Case("load_compacted", _compacted,
          lambda e: prunekit.compact.load_compacted(e["model"], e["sd"], e["desc"]), scale=0.4),
+    Case("fuse_modules(inplace=True)", lambda: {"model": _once("fusable", _fusable)},
+         lambda e: prunekit.fuse_modules(e["model"], [["0", "1"], ["4", "5"]], inplace=True)),
     Case("prepare_pruning", lambda: _env(),
          lambda e: prunekit.prepare_pruning(e["model"], _GRADUAL, e["optimizer"])),
 ]

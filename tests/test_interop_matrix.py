@@ -21,6 +21,7 @@ TORCH = {
     "write through name": "discarded at the next forward (the hook recomputes name)",
     "nn.Parameter assigned to name": "TypeError at the next forward",
     "torch.jit.script": "fails",
+    "torch.ao.quantization.fuse_modules": "fails after a forward with gradients (deepcopy of the hook's product)",
 }
 
 
@@ -157,6 +158,99 @@ def test_fuse_conv_bn_eval_keeps_the_conv_pruned_with_the_same_zeros():
         assert torch.allclose(fused(X), m[1](m[0](X)), atol=1e-5)
         dense = _dense_equivalent(m)
         assert torch.allclose(fused(X), dense[1](dense[0](X)), atol=1e-5)
+
+
+def _fusable(seed=0):
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5),
+                      nn.ReLU())
+    with torch.no_grad():
+        m[1].running_mean.uniform_(-1, 1)
+        m[1].running_var.uniform_(0.5, 2)
+        m[1].weight.uniform_(-2, 2)  # negative scales too: pruned zeros must stay +0 / zero after the fold
+    m.eval()
+    prunekit.l1_unstructured(m[0], "weight", 0.5)
+    prunekit.l1_unstructured(m[4], "weight", 0.5)
+    return m
+
+
+FUSIONS = {
+    "conv+bn+relu": ([["0", "1", "2"]], "ConvReLU2d"),
+    "conv+bn": ([["0", "1"]], "Conv2d"),
+    "linear+relu": ([["4", "5"]], "LinearReLU"),
+    "both": ([["0", "1", "2"], ["4", "5"]], "ConvReLU2d"),
+}
+
+
+def test_torch_fuse_modules_refuses_a_pruned_layer():
+    """torch looks the fuser method up by the exact class; the pruned subclass is not in its table."""
+    for groups, _ in FUSIONS.values():
+        with pytest.raises(AssertionError, match="did not find fuser method"):
+            torch.ao.quantization.fuse_modules(_fusable(), groups)
+
+
+def _head(fused, path):
+    mod = fused.get_submodule(path)
+    return mod[0] if isinstance(mod, nn.Sequential) else mod  # nni.ConvReLU2d / LinearReLU hold it at [0]
+
+
+@pytest.mark.parametrize("via", ["prunekit.fuse_modules", "fuser_func"])
+@pytest.mark.parametrize("what", list(FUSIONS))
+def test_fuse_modules_keeps_the_fused_layers_pruned_and_equals_fusing_the_dense_equivalent(what, via):
+    m = _fusable()
+    groups, kind = FUSIONS[what]
+    masks = {p: reparam.get_mask(m.get_submodule(p), "weight").clone() for p in ("0", "4")}
+    if via == "fuser_func":
+        fused = torch.ao.quantization.fuse_modules(m, groups, fuser_func=prunekit.fuse_known_modules)
+    else:
+        fused = prunekit.fuse_modules(m, groups)
+    reference = torch.ao.quantization.fuse_modules(_dense_equivalent(m), groups)  # torch on the dense model
+    assert type(fused.get_submodule(groups[0][0])).__name__ == kind
+    with torch.no_grad():
+        assert torch.equal(fused(X), reference(X))
+        for group in groups:
+            head = _head(fused, group[0])
+            mask = masks[group[0]]
+            assert prunekit.is_pruned(head) and torch.equal(head.weight_mask, mask)  # the same zeros
+            assert torch.equal(head.weight, _head(reference, group[0]).weight)
+            assert int((head.weight[mask == 0] != 0).sum()) == 0
+            assert type(reparam.find_hook(head, "weight")[1]).__name__ == "L1Unstructured"  # its own method
+    assert prunekit.is_pruned(m[0]) and type(m[1]).__name__ == "BatchNorm2d"  # inplace=False: m untouched
+
+
+def test_fuse_modules_inplace_keeps_the_pruned_module_itself_where_fusion_keeps_it():
+    m = _fusable()
+    lin, orig = m[4], m[4].weight_orig
+    with torch.no_grad():
+        expected = m(X)
+    out = prunekit.fuse_modules(m, [["0", "1", "2"], ["4", "5"]], inplace=True)
+    assert out is m and m[4][0] is lin and lin.weight_orig is orig  # LinearReLU holds the pruned Linear
+    assert type(m[5]).__name__ == "Identity" and prunekit.is_pruned(m[0][0])
+    with torch.no_grad():
+        assert torch.allclose(m(X), expected, atol=1e-5)
+    # a pruned tensor that fusion shifts (a conv bias folded with the batchnorm) is fused as its value
+    m = _fusable()
+    prunekit.l1_unstructured(m[0], "bias", 2)
+    fused = prunekit.fuse_modules(m, [["0", "1"]])
+    assert reparam.pruned_names(fused[0]) == frozenset({"weight"})
+    with torch.no_grad():
+        assert torch.equal(fused(X), torch.ao.quantization.fuse_modules(_dense_equivalent(m), [["0", "1"]])(X))
+
+
+def test_fuse_modules_qat_keeps_the_pruned_conv_in_the_qat_group():
+    m = _fusable().train()
+    conv = m[0]
+    fused = prunekit.fuse_modules_qat(m, [["0", "1", "2"]])
+    assert type(fused[0]).__name__ == "ConvBnReLU2d" and prunekit.is_pruned(fused[0][0])
+    assert torch.equal(fused[0][0].weight_mask, conv.weight_mask) and fused[0][0] is not conv  # a copy
+
+
+def test_fuse_modules_inplace_is_all_or_nothing():
+    m = _fusable()
+    before = (list(m._modules.items()), m[0].weight_orig.detach().clone())
+    with pytest.raises(AssertionError, match="did not find fuser method"):  # the second group cannot fuse
+        prunekit.fuse_modules(m, [["0", "1", "2"], ["3", "4"]], inplace=True)
+    assert list(m._modules.items()) == before[0] and torch.equal(m[0].weight_orig, before[1])
 
 
 @pytest.mark.parametrize("param", ["weight_norm", "spectral_norm", "orthogonal"])

@@ -57,6 +57,7 @@ __all__ = [
     "run_block",
     "call_model",
     "on_device",
+    "pre_hooks",
     "to_device",
 ]
 
