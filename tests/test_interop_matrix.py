@@ -295,6 +295,92 @@ def test_functional_call_export_and_load_assign():
         assert torch.equal(fresh(X), dense(X))
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compile_fullgraph_inference_and_training(backend):
+    """No graph break (the pruned property never inspects frames while compiling); a compiled training step
+    gives the eager step's gradients."""
+    torch._dynamo.reset()
+    m = _pruned()
+    dense = _dense_equivalent(m)
+    compiled = torch.compile(m, fullgraph=True, backend=backend)
+    with torch.no_grad():
+        assert torch.equal(compiled(X), dense(X))
+    compiled(X).square().sum().backward()
+    grads = [m[0].weight_orig.grad.clone(), m[4].weight_orig.grad.clone()]
+    m.zero_grad()
+    m(X).square().sum().backward()
+    assert torch.allclose(grads[0], m[0].weight_orig.grad) and torch.allclose(grads[1], m[4].weight_orig.grad)
+    assert int((grads[1][m[4].weight_mask == 0] != 0).sum()) == 0  # no gradient reaches pruned entries
+    torch._dynamo.reset()
+
+
+def test_torch_compile_sees_writes_through_the_pruned_name_once_they_are_synced():
+    """The compiled graph reads weight_orig and weight_mask. An assignment (``m.weight = ...``) lands in
+    weight_orig at once; an in-place write into a value read from ``m.weight`` (``mul_``, ``.data.copy_``)
+    lands there at the module's next eager access (a read of weight/weight_orig, state_dict, an eager
+    forward) or at ``prunekit.reparam.sync(module)`` -- the compiled model runs no Python that could see it."""
+    torch._dynamo.reset()
+    m = _pruned()
+    compiled = torch.compile(m, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        compiled(X)
+        m[4].weight = nn.Parameter(m[4].weight * 2)  # an assignment: weight_orig changes now
+        assert torch.equal(compiled(X), _dense_equivalent(m)(X))
+        before = compiled(X)
+        m[4].weight.mul_(3)  # an in-place write into the handed-out value: pending until the next access
+        assert torch.equal(compiled(X), before)  # the compiled graph has not seen it yet (documented)
+        reparam.sync(m[4])
+        after = compiled(X)
+        assert not torch.equal(after, before) and torch.equal(after, _dense_equivalent(m)(X))
+        assert prunekit.is_pruned(m[4]) and int((m[4].weight[m[4].weight_mask == 0] != 0).sum()) == 0
+    torch._dynamo.reset()
+
+
+def test_accelerate_empty_weights_then_a_pruned_state_dict():
+    accelerate = pytest.importorskip("accelerate")
+    src = _pruned()
+    sd = src.state_dict()
+    with torch.no_grad():
+        want = src(X)
+    # a dense model built without weights: prunekit.load_state_dict(assign=True) installs the saved masks
+    with accelerate.init_empty_weights():
+        empty = _model()
+    assert empty[0].weight.is_meta
+    prunekit.load_state_dict(empty, sd, assign=True)
+    assert prunekit.is_pruned(empty[0]) and not empty[0].weight_orig.is_meta
+    with torch.no_grad():
+        assert torch.equal(empty.eval()(X), want)
+    # pruning by value needs values: a clear error naming what to do; the structure can be installed on meta
+    with accelerate.init_empty_weights():
+        empty = _model()
+    with pytest.raises(ValueError, match=r"Conv2d.*weight.*meta device.*custom_from_mask.*assign=True"):
+        prunekit.l1_unstructured(empty[0], "weight", 0.5)
+    assert not prunekit.is_pruned(empty[0])
+    for i in (0, 4):
+        prunekit.custom_from_mask(empty[i], "weight", torch.ones_like(empty[i].weight))
+    empty.load_state_dict(sd, assign=True)  # torch's own loader, now that the keys match
+    with torch.no_grad():
+        assert torch.equal(empty.eval()(X), want)
+
+
+def test_accelerate_load_checkpoint_and_dispatch_of_a_pruned_checkpoint(tmp_path):
+    accelerate = pytest.importorskip("accelerate")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    src = _pruned()
+    path = str(tmp_path / "pruned.safetensors")
+    safetensors_torch.save_file({k: v.contiguous() for k, v in src.state_dict().items()}, path)
+    with torch.no_grad():
+        want = src(X)
+    with accelerate.init_empty_weights():
+        empty = _model()
+    for i in (0, 4):  # the pruning structure first (meta masks), then accelerate fills every tensor
+        prunekit.custom_from_mask(empty[i], "weight", torch.ones_like(empty[i].weight))
+    model = accelerate.load_checkpoint_and_dispatch(empty, path, device_map={"": "cpu"})
+    with torch.no_grad():
+        assert torch.equal(model.eval()(X), want)
+    assert torch.equal(model[4].weight_mask, src[4].weight_mask)
+
+
 def test_lora_on_a_pruned_base_trains_and_merges_sparse():
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
