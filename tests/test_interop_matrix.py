@@ -405,3 +405,76 @@ def test_lora_on_a_pruned_base_trains_and_merges_sparse():
         # the merge landed in weight_orig where unpruned
         expected = reparam.masked(base[0].weight_orig.detach(), base[0].weight_mask)
         assert torch.equal(lin.weight, expected)
+
+
+def _lora_model(peft, masked):
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    pruned = prunekit.l1_unstructured(base[0], "weight", 0.5)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["0"], lora_alpha=4))
+    if masked:
+        from prunekit.compat.peft import mask_lora_updates
+
+        assert mask_lora_updates(model) == 1
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return pruned, model, x
+
+
+def test_lora_unmerged_differs_from_merged_by_the_update_at_pruned_entries():
+    """Plain LoRA trains the dense update ΔW; the merge keeps the base sparse, so it drops ΔW at pruned entries:
+    merged - unmerged = -(ΔW ⊙ (1 - M)) x at the adapted layer."""
+    peft = pytest.importorskip("peft")
+    pruned, model, x = _lora_model(peft, masked=False)
+    layer = model.base_model.model[0]
+    delta = layer.get_delta_weight("default").detach()
+    mask = pruned.weight_mask
+    with torch.no_grad():
+        hidden_unmerged = layer(x)
+        assert bool((delta[mask == 0] != 0).any())  # the adapter learned updates at pruned entries...
+        merged = model.merge_and_unload()
+        hidden_merged = merged[0](x)
+    dropped = nn.functional.linear(x, delta * (1 - mask))  # ...which the merge drops
+    assert torch.allclose(hidden_unmerged - hidden_merged, dropped, atol=1e-5)
+    assert not torch.allclose(hidden_unmerged, hidden_merged, atol=1e-3)
+
+
+def test_lora_with_masked_updates_gives_the_merged_output_before_the_merge():
+    """The issue's flow: pruned base at 50%, a few adapter steps, merge: the merged weight has exactly the base's
+    zeros and the model's output equals the unmerged adapted model's (prunekit.compat.peft.mask_lora_updates)."""
+    peft = pytest.importorskip("peft")
+    pruned, model, x = _lora_model(peft, masked=True)
+    layer = model.base_model.model[0]
+    zeros = pruned.weight_mask == 0
+    assert layer.lora_A["default"].weight.grad is not None  # the adapter trained
+    with torch.no_grad():
+        unmerged = model(x)
+        merged_model = model.merge_and_unload()
+        merged = merged_model(x)
+        lin = merged_model[0]
+        assert prunekit.is_pruned(lin) and torch.equal(lin.weight_mask == 0, zeros)
+        assert int((lin.weight[zeros] != 0).sum()) == 0 and int((lin.weight == 0).sum()) == int(zeros.sum())
+    assert torch.allclose(unmerged, merged, atol=1e-6)
+
+
+def test_mask_lora_updates_refuses_merged_or_variant_adapters():
+    peft = pytest.importorskip("peft")
+    from prunekit.compat.peft import mask_lora_updates
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 8))
+    prunekit.l1_unstructured(base[0], "weight", 0.5)
+    dora = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["0"], use_dora=True))
+    with pytest.raises(ValueError, match=r"0: adapter 'default' already uses the LoRA variant Dora"):
+        mask_lora_updates(dora)
+    base = nn.Sequential(nn.Linear(8, 8))
+    prunekit.l1_unstructured(base[0], "weight", 0.5)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["0"]))
+    model.merge_adapter()
+    with pytest.raises(ValueError, match="merged into the pruned base; unmerge them first"):
+        mask_lora_updates(model)
+    assert "default" not in model.base_model.model[0].lora_variant
