@@ -252,6 +252,11 @@ def _points(n: int, cap: Optional[int]) -> List[int]:
 KINDS = ("interrupt@line", "error@line", "interrupt@op", "error@op")
 
 
+def _global_modes() -> Tuple[bool, bool, int]:
+    """Grad mode, inference mode and the depth of the torch-function mode stack."""
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch._C._len_torch_function_stack()
+
+
 def run_case(case: Case, kind: str, exhaustive: bool = False) -> Tuple[int, int, List[str]]:
     """``(failures injected, calls that absorbed theirs, problems)`` for one kind of failure."""
     try:  # warm-up: a first call imports modules and fills caches, steps the counted calls don't take
@@ -274,6 +279,7 @@ def run_case(case: Case, kind: str, exhaustive: bool = False) -> Tuple[int, int,
     for at in _points(total, None if exhaustive else max(2, round(MAX_POINTS[kind] * case.scale))):
         env = case.setup()
         before = capture(env["model"], env.get("optimizer"))
+        modes = _global_modes()
         inj = _injector(case, kind, at)
         raised: Optional[BaseException] = None
         with inj:
@@ -281,6 +287,9 @@ def run_case(case: Case, kind: str, exhaustive: bool = False) -> Tuple[int, int,
                 case.call(env)
             except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt included, on purpose
                 raised = e
+        if _global_modes() != modes:  # process-wide state is state too (grad mode leaking into the next call)
+            problems.append(f"{case.name} [{kind} #{at} of {total}]: left {_global_modes()} (was {modes})")
+            torch.set_grad_enabled(modes[0])
         if not inj.fired:
             continue
         injected += 1

@@ -548,9 +548,9 @@ def owner_of(model: nn.Module, path: str) -> Tuple[nn.Module, str]:
 
 def _masked_value(module: nn.Module, name: str, orig: Tensor, mask: Tensor, b: Backend = TORCH,
                   own: bool = True) -> Tensor:
-    """The value of ``name`` for a reader; ``own`` when the reader is the module's own forward."""
-    if b is TORCH and (torch.jit.is_tracing() or _is_compiling()):
-        return masked_product(orig, mask)  # in a traced graph: the product itself, never a cached constant
+    """The value of ``name`` for a reader; ``own`` when the reader is the module's own forward.
+
+    Never called while tracing or compiling: the property returns the product itself then."""
     cache = module.__dict__.get(_CACHE)
     if cache is None:
         cache = module.__dict__[_CACHE] = {}
