@@ -123,7 +123,14 @@ def mask_lora_updates(model: nn.Module) -> int:
             if variant is None:
                 todo.append((module, adapter))
     variant_cls = _variant_class()
-    for module, adapter in todo:  # nothing can fail from here on
-        module.lora_variant[adapter] = variant_cls()
-    return len(todo)
+    done = []
+    try:  # all or nothing, an interrupt included
+        for module, adapter in todo:
+            done.append((module, adapter))
+            module.lora_variant[adapter] = variant_cls()
+        return len(todo)
+    except BaseException:
+        for module, adapter in done:
+            module.lora_variant.pop(adapter, None)
+        raise
 
