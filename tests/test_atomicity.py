@@ -94,12 +94,19 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_back
                "_forward_hooks_always_called")
 
 
+# derived data a read may create, never state: the pruned tensors' no-grad cache (reparam's). Instead of
+# its key, `capture` compares the value every pruned name serves, so a stale cache is still caught.
+_DERIVED_KEYS = frozenset({"_prunekit_cache"})
+
+
 def capture(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[Any, Any]:
     """Everything a failed call must leave alone, in comparable form."""
     out: Dict[Any, Any] = {}
     for name, m in model.named_modules(remove_duplicate=False):
         out[name, "class"] = type(m)
-        out[name, "dict"] = sorted(m.__dict__)
+        out[name, "dict"] = sorted(k for k in m.__dict__ if k not in _DERIVED_KEYS)
+        with torch.no_grad():
+            out[name, "served"] = [(k, _value(getattr(m, k))) for k in sorted(reparam.pruned_names(m))]
         out[name, "training"] = m.training
         out[name, "params"] = [(k, _tensor_state(v)) for k, v in m._parameters.items()]
         out[name, "buffers"] = [(k, _tensor_state(v)) for k, v in m._buffers.items()]
@@ -225,6 +232,7 @@ class Case:
     faults: Dict[str, Callable[[Dict[str, Any]], None]] = dataclasses.field(default_factory=dict)
     trace: Tuple[str, ...] = ()
     expect_success: bool = True  # the call succeeds when nothing is injected
+    scale: float = 1.0  # share of MAX_POINTS injected in the suite (slow calls: tracing, calibration)
 
     def roots(self) -> Tuple[str, ...]:
         return (PRUNEKIT_DIR,) + tuple(self.trace)
@@ -244,9 +252,19 @@ def _points(n: int, cap: Optional[int]) -> List[int]:
 KINDS = ("interrupt@line", "error@line", "interrupt@op", "error@op")
 
 
+def _global_modes() -> Tuple[bool, bool, int]:
+    """Grad mode, inference mode and the depth of the torch-function mode stack."""
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch._C._len_torch_function_stack()
+
+
 def run_case(case: Case, kind: str, exhaustive: bool = False) -> Tuple[int, int, List[str]]:
     """``(failures injected, calls that absorbed theirs, problems)`` for one kind of failure."""
+    try:  # warm-up: a first call imports modules and fills caches, steps the counted calls don't take
+        case.call(case.setup())
+    except Exception:  # noqa: BLE001 - the counted call below reports it
+        pass
     env = case.setup()
+    capture(env["model"], env.get("optimizer"))  # as before every injected call (capture reads the pruned names)
     with _injector(case, kind, None) as counter:
         result_error = None
         try:
@@ -258,9 +276,10 @@ def run_case(case: Case, kind: str, exhaustive: bool = False) -> Tuple[int, int,
     total = counter.n
     problems: List[str] = []
     injected = absorbed = 0
-    for at in _points(total, None if exhaustive else MAX_POINTS[kind]):
+    for at in _points(total, None if exhaustive else max(2, round(MAX_POINTS[kind] * case.scale))):
         env = case.setup()
         before = capture(env["model"], env.get("optimizer"))
+        modes = _global_modes()
         inj = _injector(case, kind, at)
         raised: Optional[BaseException] = None
         with inj:
@@ -268,6 +287,9 @@ def run_case(case: Case, kind: str, exhaustive: bool = False) -> Tuple[int, int,
                 case.call(env)
             except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt included, on purpose
                 raised = e
+        if _global_modes() != modes:  # process-wide state is state too (grad mode leaking into the next call)
+            problems.append(f"{case.name} [{kind} #{at} of {total}]: left {_global_modes()} (was {modes})")
+            torch.set_grad_enabled(modes[0])
         if not inj.fired:
             continue
         injected += 1
@@ -402,13 +424,112 @@ CORE_CASES: List[Case] = [
     Case("load_state_dict dense into pruned", lambda: _load_env(lambda m: None, _prepruned),
          lambda e: prunekit.load_state_dict(e["model"], e["sd"]),
          faults={"load hook": _hook_fails}, trace=(TORCH_MODULE_PY,)),
+    Case("load_state_dict pruned into empty (assign=True)", lambda: _load_env(_prepruned, None),
+         lambda e: prunekit.load_state_dict(e["model"], e["sd"], assign=True),
+         faults={"load hook": _hook_fails}, trace=(TORCH_MODULE_PY,)),
     Case("unmask (undo)", lambda: _env(_prepruned), lambda e: reparam.unmask(e["model"][3], "weight", bake=False)),
     Case("apply_mask", lambda: _env(_prepruned),
          lambda e: reparam.apply_mask(e["model"][4], "weight", torch.tensor([[1, 0, 1, 0], [0, 1, 1, 1]]))),
 ]
 
+
+# ------------------------------------------------ the packages' mutating public functions
+def _sparse_pre(m: nn.Module) -> None:
+    prunekit.l1_unstructured(m[3], "weight", 0.75)
+    prunekit.l1_unstructured(m[4], "weight", 0.75)
+
+
+def _sparsified(m: nn.Module) -> None:
+    _sparse_pre(m)
+    prunekit.sparsify_for_inference(m, measure=False, policies=["csr-torch"])
+
+
+class _Blocks(nn.Module):
+    """An embedding layer and two repeated blocks (what ``prunekit.oneshot`` walks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(4, 8)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.layers:
+            x = block(x)
+        return x
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+_CALIBRATION = [torch.randn(16, 4, generator=torch.Generator().manual_seed(1))]
+_X4 = torch.randn(2, 4, generator=torch.Generator().manual_seed(2))
+_GRADUAL = {"prune_type": "magnitude", "pattern": "1x1", "target_sparsity": 0.5, "end_step": 2}
+
+
+def _once(key: str, build: Callable[[], Any]) -> Any:
+    """A fresh deep copy of what ``build`` makes, built once (a setup runs once per trial)."""
+    if key not in _TEMPLATES:
+        _TEMPLATES[key] = build()
+    return copy.deepcopy(_TEMPLATES[key])
+
+
+def _channel_masked_mlp() -> nn.Module:
+    m = _mlp()
+    prunekit.prune_groups(m, _X4, 0.5)
+    return m
+
+
+def _channel_masked() -> Dict[str, Any]:
+    return {"model": _once("channel_masked", _channel_masked_mlp)}
+
+
+def _compacted_files() -> Dict[str, Any]:
+    from prunekit.compact import compact, compaction_description
+
+    small = compact(_channel_masked_mlp(), _X4)
+    return {"sd": small.state_dict(), "desc": compaction_description(small)}
+
+
+def _compacted() -> Dict[str, Any]:
+    return {"model": _mlp(), **_once("compacted", _compacted_files)}
+
+
+def _fusable() -> nn.Module:
+    m = _net()
+    prunekit.l1_unstructured(m[0], "weight", 0.5)
+    prunekit.l1_unstructured(m[3], "weight", 0.5)
+    m.add_module("5", nn.ReLU())
+    return m.eval()
+
+
+PACKAGE_CASES: List[Case] = [
+    Case("sparsify_for_inference", lambda: _env(_sparse_pre, optimizer=False),
+         lambda e: prunekit.sparsify_for_inference(e["model"], measure=False, policies=["csr-torch"])),
+    Case("restore_dense", lambda: _env(_sparsified, optimizer=False), lambda e: prunekit.restore_dense(e["model"])),
+    Case("oneshot", lambda: {"model": _Blocks()},
+         lambda e: prunekit.oneshot(e["model"], _CALIBRATION, sparsity=0.5, method="wanda")),
+    Case("oneshot sparsegpt 2:4", lambda: {"model": _Blocks()},
+         lambda e: prunekit.oneshot(e["model"], _CALIBRATION, pattern="2:4", method="sparsegpt"), scale=0.5),
+    Case("prune_groups", lambda: {"model": _mlp()}, lambda e: prunekit.prune_groups(e["model"], _X4, 0.5, importance=e.get("importance", "l1")),
+         faults={"importance": lambda e: e.update(importance=_raise)}, scale=0.4),
+    Case("prune_with_calibration", lambda: {"model": _mlp()},
+         lambda e: prunekit.compact.prune_with_calibration(e["model"], _CALIBRATION, 0.5), scale=0.4),
+    Case("compact(inplace=True)", _channel_masked,
+         lambda e: prunekit.compact.compact(e["model"], _X4, inplace=True), scale=0.4),
+    Case("load_compacted", _compacted,
+         lambda e: prunekit.compact.load_compacted(e["model"], e["sd"], e["desc"]), scale=0.4),
+    Case("fuse_modules(inplace=True)", lambda: {"model": _once("fusable", _fusable)},
+         lambda e: prunekit.fuse_modules(e["model"], [["0", "1"], ["4", "5"]], inplace=True)),
+    Case("prepare_pruning", lambda: _env(),
+         lambda e: prunekit.prepare_pruning(e["model"], _GRADUAL, e["optimizer"])),
+]
+
 #: every case; other packages append theirs below (one entry per mutating public function)
-CASES: List[Case] = list(CORE_CASES)
+CASES: List[Case] = list(CORE_CASES) + PACKAGE_CASES
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -436,7 +557,7 @@ def test_the_harness_sees_a_half_done_change() -> None:
     before = capture(env["model"], env["optimizer"])
     with torch.no_grad():
         env["model"][3].weight_orig[0, 0] += 1
-    assert differences(before, capture(env["model"], env["optimizer"])) == ["('3', 'params')"]
+    assert differences(before, capture(env["model"], env["optimizer"])) == ["('3', 'served')", "('3', 'params')"]
     env = _env(_prepruned)
     before = capture(env["model"], env["optimizer"])
     env["model"][4].register_forward_pre_hook(lambda *a: None)

@@ -330,6 +330,64 @@ def test_signed_checkpoints(tmp_path):
         save_compressed(sd, plain, key=123)
 
 
+def test_read_checkpoint_with_a_key_refuses_every_file_that_carries_no_signature(tmp_path):
+    sd = _state()
+    torch_file = str(tmp_path / "m.pt")
+    torch.save(sd, torch_file)
+    plain = str(tmp_path / "plain.safetensors")
+    import safetensors.torch as st
+
+    st.save_file({k: v for k, v in sd.items() if k != "cplx"}, plain)
+    for path, kind in ((torch_file, "torch"), (plain, "safetensors")):
+        assert read_checkpoint(path)[1] == kind  # without a key: read as before
+        with pytest.raises(CheckpointSignatureError, match=f"{kind} file carries no signature"):
+            read_checkpoint(path, key=b"k" * 32)
+
+
+def test_inspect_verifies_a_signed_file_with_key_file_or_env(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("PRUNEKIT_KEY", raising=False)
+    signed = str(tmp_path / "signed.safetensors")
+    save_compressed(_state(), signed, key=b"s3cret\n")  # the key file's exact bytes, newline included
+    unsigned = str(tmp_path / "unsigned.safetensors")
+    save_compressed(_state(), unsigned)
+    key_file, wrong, empty = tmp_path / "key", tmp_path / "wrong", tmp_path / "empty"
+    key_file.write_bytes(b"s3cret\n")
+    wrong.write_bytes(b"s3cret")
+    empty.write_bytes(b"")
+
+    def inspect(*argv):
+        code = main(["inspect", *argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, out, err = inspect(signed, "--key-file", str(key_file), "--json")
+    assert code == 0 and err == ""
+    d = json.loads(out)
+    assert d["signature"] == "verified" and d["format"] == "prunekit-compressed"
+    code, out, _ = inspect(signed, "--key-file", str(key_file))
+    assert code == 0 and "signature verified" in out
+    # no key: read (checksums checked), and said so once on stderr
+    code, out, err = inspect(signed, "--json")
+    assert code == 0 and json.loads(out)["signature"] == "not verified"
+    assert err.count("\n") == 1 and "is signed; its signature was not verified" in err and "--key-file" in err
+    code, out, err = inspect(unsigned, "--json")
+    assert code == 0 and json.loads(out)["signature"] == "none" and err == ""
+    # a wrong key, an unsigned file, a key file that is empty or missing: one line, exit 2
+    for argv, words in (([signed, "--key-file", str(wrong)], "signature does not verify"),
+                        ([unsigned, "--key-file", str(key_file)], "not signed"),
+                        ([signed, "--key-file", str(empty)], "is empty"),
+                        ([signed, "--key-file", str(tmp_path / "nope")], "key file not found")):
+        code, out, err = inspect(*argv)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and words in err, (argv, err)
+    # the environment variable (UTF-8), when no --key-file is given
+    monkeypatch.setenv("PRUNEKIT_KEY", "s3cret\n")
+    code, out, err = inspect(signed, "--json")
+    assert code == 0 and json.loads(out)["signature"] == "verified" and err == ""
+    monkeypatch.setenv("PRUNEKIT_KEY", "other")
+    code, out, err = inspect(signed)
+    assert code == 2 and "signature does not verify" in err
+
+
 def test_an_attacker_who_rewrites_the_index_and_its_checksum_fails_the_signature(tmp_path):
     path = str(tmp_path / "s.safetensors")
     save_compressed(_state(), path, key=b"secret")

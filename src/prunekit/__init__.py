@@ -76,6 +76,10 @@ _LAZY = {
     "load_compressed": ".io",
     "CorruptCheckpointError": ".io",
     "CheckpointSignatureError": ".io",
+    # fusing pruned layers (torch.ao.quantization.fuse_modules; prunekit.fusion)
+    "fuse_modules": ".fusion",
+    "fuse_modules_qat": ".fusion",
+    "fuse_known_modules": ".fusion",
     # sparse inference (prunekit.sparse)
     "sparsify_for_inference": ".sparse",
     "restore_dense": ".sparse",
@@ -90,7 +94,7 @@ _LAZY = {
     "plot_accuracy_vs_sparsity": ".report",
 }
 _SUBMODULES = {"compact", "training", "sparse", "kernels", "reparam", "report", "demo", "cli", "importance", "io",
-               "oneshot"}
+               "oneshot", "fusion"}
 
 
 def __getattr__(name: str) -> Any:

@@ -185,6 +185,16 @@ class BasePruningMethod(ABC):
                     mask = sharded.compute_mask(method, module, name, orig, existing, importance_scores, out_dtype)
         except (ValueError, TypeError, IndexError) as e:
             raise reparam.with_context(e, module, name) from None
+        except NotImplementedError:
+            if getattr(orig, "is_meta", False):  # e.g. built under accelerate's init_empty_weights()
+                raise ValueError(
+                    f"{reparam.describe(module, name)} is on the meta device (no values): {cls.__name__} cannot "
+                    "choose what to prune. Load the weights first; or install the pruning structure with "
+                    "prunekit.custom_from_mask(module, name, mask) (a meta mask is fine) and fill it with "
+                    "model.load_state_dict(pruned_state_dict, assign=True); or load a pruned state dict into the "
+                    "dense empty model with prunekit.load_state_dict(model, state_dict, assign=True)"
+                ) from None
+            raise
 
         hook = _compose(old, method)
         snapshot = reparam.Snapshot(module)

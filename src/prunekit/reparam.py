@@ -548,9 +548,9 @@ def owner_of(model: nn.Module, path: str) -> Tuple[nn.Module, str]:
 
 def _masked_value(module: nn.Module, name: str, orig: Tensor, mask: Tensor, b: Backend = TORCH,
                   own: bool = True) -> Tensor:
-    """The value of ``name`` for a reader; ``own`` when the reader is the module's own forward."""
-    if b is TORCH and (torch.jit.is_tracing() or _is_compiling()):
-        return masked_product(orig, mask)  # in a traced graph: the product itself, never a cached constant
+    """The value of ``name`` for a reader; ``own`` when the reader is the module's own forward.
+
+    Never called while tracing or compiling: the property returns the product itself then."""
     cache = module.__dict__.get(_CACHE)
     if cache is None:
         cache = module.__dict__[_CACHE] = {}
@@ -671,6 +671,10 @@ def _masked_property(name: str, b: Backend = TORCH) -> property:
             sharded = _sharded.handler_for(orig, mask)
             if sharded is not None:  # DTensor shards: prunekit.distributed computes it
                 return sharded.value(self, name, orig, mask)
+        if b is TORCH and (torch.jit.is_tracing() or _is_compiling()):
+            # in a traced or compiled graph: the product itself, never a cached constant -- and no frame
+            # inspection (sys._getframe is a graph break under torch.compile(fullgraph=True))
+            return masked_product(orig, mask)
         own = sys._getframe(1).f_code in type(self).__dict__["_prunekit_own_code"]
         return _masked_value(self, name, orig, mask, b, own)
 

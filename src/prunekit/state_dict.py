@@ -53,7 +53,8 @@ def dense_state_dict(source: Union[nn.Module, Mapping[str, Tensor]]) -> "Ordered
     return out
 
 
-def load_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], strict: bool = True) -> Any:
+def load_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], strict: bool = True,
+                    assign: bool = False) -> Any:
     """Load ``state_dict`` into ``model`` whether either side is pruned or dense.
 
     * pruned state dict (``x_orig``/``x_mask``) into a dense model: the model's
@@ -68,7 +69,10 @@ def load_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], strict: 
     it was -- keys are checked before anything is copied, and the values about
     to be overwritten are kept aside (one copy of them, freed on return) so
     that a copy failing half-way is undone. Returns what
-    ``nn.Module.load_state_dict`` returns.
+    ``nn.Module.load_state_dict`` returns. ``assign=True`` as in torch: the
+    state dict's tensors become the model's (no copy), which is how a model
+    built on the meta device (``torch.device("meta")``, accelerate's
+    ``init_empty_weights()``) is loaded; the saved masks come with them.
 
     Example:
         >>> import torch, prunekit
@@ -84,6 +88,8 @@ def load_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], strict: 
     modules = dict(model.named_modules())
     snapshots = []
     saved: List[Tuple[Tensor, Tensor]] = []
+    # assign=True swaps tensor objects: keep every module's tensor dicts (references only) to put back
+    held = [(m, dict(m._parameters), dict(m._buffers)) for m in modules.values()] if assign else []
     try:
         for key in list(sd):
             if not (key.endswith("_orig") and key[:-5] + "_mask" in sd):
@@ -104,13 +110,20 @@ def load_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], strict: 
                     sd.setdefault(full + "_mask", module._buffers[name + "_mask"])
         _check_fits(model, sd, strict)
         target = model.state_dict(keep_vars=True)
-        with (backend_of(model) or TORCH).no_grad():
-            saved = [(target[k], target[k].detach().clone()) for k in sd if k in target and is_tensor(target[k])]
-        return model.load_state_dict(sd, strict=strict)
+        if not assign:
+            with (backend_of(model) or TORCH).no_grad():
+                saved = [(target[k], target[k].detach().clone()) for k in sd if k in target and is_tensor(target[k])]
+            return model.load_state_dict(sd, strict=strict)
+        return model.load_state_dict(sd, strict=strict, assign=True)
     except BaseException:
         with (backend_of(model) or TORCH).no_grad():
             for t, value in saved:
                 t.copy_(value)
+        for m, params, buffers in held:
+            m._parameters.clear()
+            m._parameters.update(params)
+            m._buffers.clear()
+            m._buffers.update(buffers)
         for snap in reversed(snapshots):
             snap.restore()
         raise

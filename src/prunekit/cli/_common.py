@@ -136,13 +136,42 @@ def load_factory(spec: str, kwargs_json: Optional[str] = None) -> Any:
     return model
 
 
-def read_state_dict(path: str, trust_pickle: bool, what: str = "weights file") -> Tuple[Dict[str, Any], str]:
-    """Read a checkpoint file (state dict, pruned, compressed, safetensors); returns ``(tensors, kind)``."""
+KEY_ENV = "PRUNEKIT_KEY"
+
+
+def read_key(key_file: Optional[str]) -> Optional[bytes]:
+    """The secret that verifies signed checkpoints: the bytes of ``--key-file`` (exactly as stored), else
+    the ``PRUNEKIT_KEY`` environment variable (UTF-8), else ``None``. Never a command-line value: other
+    users of the machine can read a process's arguments."""
+    if key_file is not None:
+        existing_file(key_file, "key file")
+        try:
+            with open(key_file, "rb") as f:
+                key = f.read(1 << 20)
+        except OSError as e:
+            raise CliError(f"cannot read key file {key_file}: {e.strerror or e}") from None
+        if not key:
+            raise CliError(f"key file {key_file} is empty; it must hold the secret given to "
+                           "save_compressed(..., key=...)")
+        return key
+    env = os.environ.get(KEY_ENV)
+    if env is not None:
+        if not env:
+            raise CliError(f"{KEY_ENV} is set but empty; unset it or give the secret")
+        return env.encode("utf-8")
+    return None
+
+
+def read_state_dict(path: str, trust_pickle: bool, what: str = "weights file",
+                    key: Optional[bytes] = None) -> Tuple[Dict[str, Any], str]:
+    """Read a checkpoint file (state dict, pruned, compressed, safetensors); returns ``(tensors, kind)``.
+
+    With ``key``, only a signed prunekit checkpoint whose signature verifies is read."""
     from prunekit.report import UnsafeCheckpointError, read_checkpoint
 
     existing_file(path, what)
     try:
-        return read_checkpoint(path, trust_pickle=trust_pickle)
+        return read_checkpoint(path, trust_pickle=trust_pickle, key=key)
     except UnsafeCheckpointError as e:
         raise CliError(str(e)) from None
     except (ValueError, OSError) as e:

@@ -126,7 +126,7 @@ def compact(
         return target
     with atomic() as journal:
         _compact_into(model, example_inputs, graph, ignored_layers, exact, gqa, journal, reference, rtol)
-    return model
+        return model  # inside the block: an interrupt before the return rolls everything back
 
 
 def _compact_into(
@@ -271,13 +271,21 @@ def _outputs(model: nn.Module, example_inputs: Any) -> List[Tensor]:
     """The model's output tensors on ``example_inputs``, in eval mode (training flags restored)."""
     args, kwargs = split_inputs(example_inputs)
     was = [(m, m.training) for m in model.modules()]
+
+    def restore() -> None:  # idempotent: run again if an interrupt cuts it short
+        for m, t in was:
+            m.training = t
+
     try:
         model.eval()
         with torch.no_grad():
             out = model(*args, **kwargs)
     finally:
-        for m, t in was:
-            m.training = t
+        try:
+            restore()
+        except BaseException:
+            restore()
+            raise
     return [t.detach() for t in tensors_in(flatten_output(out))]
 
 
@@ -432,11 +440,18 @@ def load_compacted(model: nn.Module, state_dict: Dict[str, Tensor], description:
             owner, leaf = reparam.owner_of(work, key[: -len("_mask")])
             reparam.apply_mask(owner, leaf, state_dict[key])
     work.load_state_dict(state_dict)
-    # commit: one assignment each, so an interrupt leaves the old model or the new one
-    if type(model) is not type(work):  # pragma: no cover - the root module is never replaced
-        model.__class__ = type(work)
-    model.__dict__ = work.__dict__
-    return model
+    # commit: one assignment each, so an interrupt leaves the old model or the new one; the return is
+    # inside the try, so an interrupt between the commit and the return puts the old one back
+    old_class, old_dict = type(model), model.__dict__
+    try:
+        if type(model) is not type(work):  # pragma: no cover - the root module is never replaced
+            model.__class__ = type(work)
+        model.__dict__ = work.__dict__
+        return model
+    except BaseException:
+        model.__dict__ = old_dict
+        model.__class__ = old_class
+        raise
 
 
 def save_compacted(model: nn.Module, path: Any) -> None:

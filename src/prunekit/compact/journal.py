@@ -141,7 +141,8 @@ def atomic() -> Iterator[Journal]:
     except BaseException:
         journal.rollback()
         raise
-    journal.clear()
+    # committed: nothing more runs here (no step an interrupt could cut between the block and the caller);
+    # the saved states are freed with the journal
 
 
 @contextlib.contextmanager

@@ -128,8 +128,7 @@ def prune_groups(
         keep = _keep_count(n, c, g.units[0].width(), round_to)
         order = torch.argsort(s, stable=True)
         decisions.append(GroupDecision(g, sorted(order[: n - keep].tolist()), n))
-    _write_masks(graph, decisions)
-    return decisions
+    return _write_masks(graph, decisions)  # the last step: nothing can fail between the masks and the return
 
 
 def group_kind(group: Group) -> Tuple[Any, ...]:
@@ -159,8 +158,9 @@ def _uniform_counts(groups: List[Group], counts: List[int]) -> List[int]:
     return out
 
 
-def _write_masks(graph: DependencyGraph, decisions: List[GroupDecision]) -> None:
-    """Zero every removed unit in every tensor it spans: one ``index_fill_`` per tensor axis."""
+def _write_masks(graph: DependencyGraph, decisions: List[GroupDecision]) -> List[GroupDecision]:
+    """Zero every removed unit in every tensor it spans: one ``index_fill_`` per tensor axis; returns
+    ``decisions``, from inside the all-or-nothing block (an interrupt before the return undoes the masks)."""
     gone: Dict[Tuple[str, str], Dict[int, List[Tensor]]] = {}
     for d in decisions:
         if not d.removed:
@@ -177,8 +177,9 @@ def _write_masks(graph: DependencyGraph, decisions: List[GroupDecision]) -> None
                 mask.index_fill_(axis, torch.cat(parts), 0)
             journal.module(owner)
             reparam.apply_mask(owner, leaf, mask)
-    n_units = sum(len(d.removed) for d in decisions)
-    logger.info("prune_groups: masked %d units in %d tensors", n_units, len(gone))
+        n_units = sum(len(d.removed) for d in decisions)
+        logger.info("prune_groups: masked %d units in %d tensors", n_units, len(gone))
+        return decisions
 
 
 #: the selection and masking steps, for other ways of choosing units (prunekit.compact.reconstruct)

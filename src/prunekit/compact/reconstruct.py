@@ -118,10 +118,20 @@ def _gather(model: nn.Module, batches: Sequence[Any], readers: List[_Reader], to
     for r in readers:
         r.stats = ActivationStats(r.module.in_features + 1, hessian=True, dtype=torch.float64)
         by_id[id(r.module)] = r
-    handles = [r.module.register_forward_pre_hook(hook) for r in readers]
+    handles: List[Any] = []
     tokens = 0
     was = [(m, m.training) for m in model.modules()]
+
+    def cleanup() -> None:  # idempotent: run again if an interrupt cuts it short
+        while handles:
+            handles[-1].remove()
+            handles.pop()
+        for m, t in was:
+            m.training = t
+
     try:
+        for r in readers:
+            handles.append(r.module.register_forward_pre_hook(hook))
         model.eval()
         with torch.no_grad():
             for batch, mask in zip(batches, token_masks):
@@ -134,10 +144,11 @@ def _gather(model: nn.Module, batches: Sequence[Any], readers: List[_Reader], to
                     pass
                 tokens += int(mask.sum()) if mask is not None else 0
     finally:
-        for h in handles:
-            h.remove()
-        for m, t in was:
-            m.training = t
+        try:
+            cleanup()
+        except BaseException:
+            cleanup()
+            raise
     return tokens
 
 
@@ -306,5 +317,5 @@ def prune_with_calibration(
             write_masks(graph, [decision])
             for r, w in zip(rs, w_before):
                 report.fits.append(_refit(r, w, damp, reconstruct))
-    logger.info("prune_with_calibration: %r", report)
-    return report
+        logger.info("prune_with_calibration: %r", report)
+        return report  # inside the block: an interrupt before the return rolls everything back

@@ -282,10 +282,7 @@ class Tracer(OpRules):
             if h is not None and not any(".".join(parts[:i]) in self.handlers for i in range(1, len(parts))):
                 self.handlers[name] = h
         self._leaves = {id(self.by_name[n]) for n in self.handlers}
-        hooks = []
-        for _, module in self.named:
-            hooks.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
-            hooks.append(module.register_forward_hook(self._post, with_kwargs=True))
+        hooks: List[Any] = []
         tracer = self
         op_names: Dict[Any, str] = {}
 
@@ -312,15 +309,31 @@ class Tracer(OpRules):
                 return out
 
         was_training = [(m, m.training) for _, m in self.named]
-        if any(t for _, t in was_training):
-            self.model.eval()
         args, kwargs = split_inputs(example_inputs)
         # No autograd: nothing here needs gradients, and recording them costs about a
         # quarter of the forward pass. Fused inference fast paths (nn.MultiheadAttention,
         # nn.TransformerEncoder[Layer]) stay off: they are skipped whenever a torch function
         # mode is active, and the fast-path switch is turned off as well while tracing.
         fastpath = torch.backends.mha.get_fastpath_enabled()
+
+        def cleanup() -> None:  # idempotent: run again if an interrupt cuts it short
+            torch.backends.mha.set_fastpath_enabled(fastpath)
+            while hooks:
+                hooks[-1].remove()
+                hooks.pop()
+            for m, t in was_training:
+                if m.training != t:
+                    m.training = t
+            self.stack.clear()
+            self.leaf_depth = 0
+
         try:
+            # hooks and eval mode inside the try: an interrupt while installing them removes them too
+            for _, module in self.named:
+                hooks.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+                hooks.append(module.register_forward_hook(self._post, with_kwargs=True))
+            if any(t for _, t in was_training):
+                self.model.eval()
             torch.backends.mha.set_fastpath_enabled(False)
             with torch.no_grad(), _Mode():
                 output = self.model(*args, **kwargs)
@@ -334,14 +347,11 @@ class Tracer(OpRules):
                 "model(*example_inputs) accepts."
             ) from exc
         finally:
-            torch.backends.mha.set_fastpath_enabled(fastpath)
-            for h in hooks:
-                h.remove()
-            for m, t in was_training:
-                if m.training != t:
-                    m.training = t
-            self.stack.clear()
-            self.leaf_depth = 0
+            try:
+                cleanup()
+            except BaseException:
+                cleanup()
+                raise
         for t in tensors_in(flatten_output(output)):
             s = self.shadow(t)
             if s is not None:

@@ -7,6 +7,9 @@
   configs (1.x YAML with ``!Pruner`` entries, 2.x ``WeightPruningConfig``) and
   entry points (``Pruning``, ``prepare_pruning``, ``prepare_compression``)
   (README, "Coming from Intel Neural Compressor").
+* :mod:`prunekit.compat.peft` -- PEFT LoRA adapters on pruned layers whose
+  update is masked like the base, so the unmerged model computes what the
+  merged one does (README, "Pruned models go wherever dense models go").
 
 Nothing here prunes by itself: configs are translated to prunekit's own and the
 pruners of :mod:`prunekit.training` do the work.

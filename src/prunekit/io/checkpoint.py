@@ -147,7 +147,10 @@ def read_checkpoint(path: PathLike, *, trust_pickle: bool = False,
     ``torch.load(weights_only=True)``; a file that needs full unpickling (a
     pickled module, custom classes) raises :class:`UnsafeCheckpointError`
     unless ``trust_pickle=True``, because unpickling runs whatever code the
-    file names. ``key`` verifies a signed prunekit checkpoint.
+    file names. ``key`` verifies a signed prunekit checkpoint; with a key, a
+    file that carries no signature (an unsigned prunekit checkpoint, or any
+    other format) raises :class:`CheckpointSignatureError`, as
+    ``load_compressed`` does.
 
     Example:
         >>> import os, tempfile, torch
@@ -161,6 +164,13 @@ def read_checkpoint(path: PathLike, *, trust_pickle: bool = False,
     from .formats import read
 
     data, kind = read(path, trust_pickle=trust_pickle, key=key)
+    if key is not None and kind != "prunekit-compressed":
+        from .errors import CheckpointSignatureError
+
+        raise CheckpointSignatureError(
+            f"{path}: a key was given, but this {kind} file carries no signature (only prunekit compressed "
+            "checkpoints written with save_compressed(..., key=...) are signed); refusing an unauthenticated file"
+        )
     return data, kind
 
 

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from .. import reparam
 from ..importance import ActivationStats
 from ..methods import custom_from_mask
-from .blocks import BlockInput, block_output, capture_block_inputs, find_blocks, on_device, run_block
+from .blocks import BlockInput, block_output, capture_block_inputs, find_blocks, on_device, pre_hooks, run_block
 from .layers import Patterns, Target, find_targets
 from .report import LayerResult, OneshotReport
 from .solvers import (
@@ -131,9 +131,7 @@ class _Stats:
     def __init__(self, targets: Sequence[Target], hessian: bool, device: Any) -> None:
         self.stats = {t.name: ActivationStats(t.in_features, hessian=hessian, device=device) for t in targets}
         self.token_mask: Optional[Tensor] = None
-        self.handles: List[Any] = []
-        for t in targets:
-            self.handles.append(t.module.register_forward_pre_hook(self._hook(t.name)))
+        self.hooks = [(t.module, self._hook(t.name)) for t in targets]  # installed with blocks.pre_hooks
 
     def _hook(self, name: str) -> Callable[..., None]:
         def hook(_m: nn.Module, args: Tuple[Any, ...]) -> None:
@@ -147,30 +145,18 @@ class _Stats:
     def set_batch(self, _i: int, inp: BlockInput) -> None:
         self.token_mask = inp.token_mask
 
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-
 
 def _stages(block: nn.Module, targets: Sequence[Target], inp: BlockInput) -> List[List[Target]]:
     """Group a block's targets by the input they read, in execution order (q/k/v share one input)."""
     order: List[Tuple[int, Target]] = []
-    handles = []
 
     def hook_for(t: Target) -> Callable[..., None]:
         def hook(_m: nn.Module, args: Tuple[Any, ...]) -> None:
             order.append((id(args[0]), t))
         return hook
 
-    for t in targets:
-        handles.append(t.module.register_forward_pre_hook(hook_for(t)))
-    try:
-        with torch.no_grad():
-            block(*inp.args, **inp.kwargs)
-    finally:
-        for h in handles:
-            h.remove()
+    with pre_hooks([(t.module, hook_for(t)) for t in targets]), torch.no_grad():
+        block(*inp.args, **inp.kwargs)
     stages: List[List[Target]] = []
     keys: List[int] = []
     done = set()
@@ -321,9 +307,16 @@ def oneshot(
                            blocks=len(block_list), options=dict(opts))
     snapshots = {t.name: reparam.Snapshot(t.module) for t in layers}
     saved: Dict[str, Tensor] = {}
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]
     config = getattr(model, "config", None)
     use_cache = getattr(config, "use_cache", None)
+
+    def restore_modes() -> None:
+        for m, training in modes:
+            m.training = training
+        if use_cache:
+            config.use_cache = use_cache
+
     try:
         model.eval()
         if use_cache:
@@ -340,21 +333,18 @@ def oneshot(
         else:
             _run_sequential(model, block_list, layers, batches, method, sparsity, nm, opts, device, report,
                             saved, progress)
+        report.seconds = time.perf_counter() - t_start
+        logger.info("%s", report)
+        restore_modes()
+        return report  # inside the try: an interrupt anywhere before the return rolls everything back
     except BaseException:
+        restore_modes()
         with torch.no_grad():
             for t in layers:
                 snapshots[t.name].restore()
                 if t.name in saved:
                     t.param.copy_(saved[t.name].to(t.param.device))
         raise
-    finally:
-        if was_training:
-            model.train()
-        if use_cache:
-            config.use_cache = use_cache
-    report.seconds = time.perf_counter() - t_start
-    logger.info("%s", report)
-    return report
 
 
 def _run_sequential(model: nn.Module, block_list: List[Tuple[str, nn.Module]], layers: List[Target],
@@ -403,10 +393,8 @@ def _prune_block_faithful(block: nn.Module, mine: List[Target], inputs: List[Blo
     """Wanda / SparseGPT as published: every layer's statistics from one pass of the block."""
     dev = mine[0].param.device
     hooks = _Stats(mine, hessian=method == "sparsegpt", device=dev)
-    try:
+    with pre_hooks(hooks.hooks):
         run_block(block, inputs, each=hooks.set_batch)
-    finally:
-        hooks.close()
     for t in mine:
         t0 = time.perf_counter()
         st = hooks.stats[t.name]
@@ -433,16 +421,11 @@ def _capture_many(block: nn.Module, modules: Sequence[nn.Module], inp: BlockInpu
         if stop and len(got) == len(want):
             raise _StopBlock
 
-    handles = [m.register_forward_pre_hook(hook) for m in modules]
-    try:
-        with torch.no_grad():
-            try:
-                block(*inp.args, **inp.kwargs)
-            except _StopBlock:
-                pass
-    finally:
-        for h in handles:
-            h.remove()
+    with pre_hooks([(m, hook) for m in modules]), torch.no_grad():
+        try:
+            block(*inp.args, **inp.kwargs)
+        except _StopBlock:
+            pass
     missing = [type(m).__name__ for m in modules if id(m) not in got]
     if missing:
         raise ValueError(f"the block never called {missing} on a calibration batch")

@@ -57,6 +57,7 @@ __all__ = [
     "run_block",
     "call_model",
     "on_device",
+    "pre_hooks",
     "to_device",
 ]
 
@@ -241,8 +242,7 @@ def capture_block_inputs(
     except StopIteration:
         model_device = torch.device("cpu")
     out: List[BlockInput] = []
-    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
+    with pre_hooks([(block, hook)], with_kwargs=True):
         with torch.no_grad():
             for batch in batches:
                 seen.clear()
@@ -255,8 +255,6 @@ def capture_block_inputs(
                 args, kwargs = seen[0]
                 item = BlockInput(tuple(args), kwargs, _token_mask(batch))
                 out.append(item.to(device) if device is not None else item)
-    finally:
-        handle.remove()
     return out
 
 
@@ -292,6 +290,41 @@ def run_block(block: nn.Module, inputs: Sequence[BlockInput],
                 each(i, inp)
             out.append(inp.with_hidden(block_output(block(*inp.args, **inp.kwargs))))
     return out
+
+
+@contextlib.contextmanager
+def pre_hooks(pairs: Iterable[Tuple[nn.Module, Callable[..., Any]]], *, with_kwargs: bool = False) -> Iterator[None]:
+    """Forward pre-hooks ``(module, hook)`` installed for the ``with`` body only.
+
+    Installed inside the protected region and removed by a cleanup that runs again if an
+    interrupt cuts it short, so no hook outlives the block (``KeyboardInterrupt`` included).
+
+    Example:
+        >>> import torch
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> with pre_hooks([(lin, lambda m, args: None)]):
+        ...     len(lin._forward_pre_hooks)
+        1
+        >>> len(lin._forward_pre_hooks)
+        0
+    """
+    handles: List[Any] = []
+
+    def remove() -> None:
+        while handles:
+            handles[-1].remove()
+            handles.pop()
+
+    try:
+        for module, hook in pairs:
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=with_kwargs))
+        yield
+    finally:
+        try:
+            remove()
+        except BaseException:
+            remove()
+            raise
 
 
 @contextlib.contextmanager

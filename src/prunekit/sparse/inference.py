@@ -276,16 +276,19 @@ def _parents(model: nn.Module) -> Dict[int, List[Tuple[nn.Module, str]]]:
     return out
 
 
-def _swap(model: nn.Module, replacements: Dict[int, nn.Module]) -> None:
-    """Put each replacement wherever its module sits, all or nothing (any exception undoes the done ones)."""
+def _swap(model: nn.Module, replacements: Dict[int, nn.Module], result: Any) -> Any:
+    """Put each replacement wherever its module sits, all or nothing (any exception undoes the done ones);
+    returns ``result``. The caller's last step: ``return _swap(...)``, so that no failure (an interrupt
+    included) can land between a completed swap and the caller's return."""
     parents = _parents(model)
     done: List[Tuple[nn.Module, str, nn.Module]] = []
     try:
         for mod_id, new in replacements.items():
             for parent, attr in parents.get(mod_id, []):
-                old = parent._modules[attr]
+                # recorded before the swap: an interrupt right after setattr is undone too
+                done.append((parent, attr, parent._modules[attr]))
                 setattr(parent, attr, new)
-                done.append((parent, attr, old))
+        return result
     except BaseException:
         for parent, attr, old in reversed(done):
             parent._modules[attr] = old
@@ -441,15 +444,14 @@ def sparsify_for_inference(
             if new is not None:
                 replacements[id(mod)] = new
 
-    # Every decision is made without touching the model; now swap, all or nothing.
-    _swap(model, replacements)
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     report.layers.sort(key=lambda d: order.get(d.name, len(order)))
     for d in report.layers:
         logger.info("sparsify_for_inference: %s %s%s sparsity %.1f%%: %s (%s) %s", d.name, d.kind, list(d.shape),
                     100 * d.sparsity, f"converted to {d.policy}" if d.converted else "kept dense", d.reason,
                     d.timings_line())
-    return report
+    # Every decision is made without touching the model; now swap, all or nothing, as the last step.
+    return _swap(model, replacements, report)
 
 
 def _sparsity(weight: torch.Tensor) -> float:
@@ -592,6 +594,5 @@ def restore_dense(model: nn.Module) -> nn.Module:
     for _, mod in list(model.named_modules()):
         if isinstance(mod, SparseInferenceModule) and id(mod) not in dense:
             dense[id(mod)] = mod.original if mod.original is not None else mod.to_dense_module()
-    _swap(model, dense)
-    logger.info("restore_dense: %d sparse layer(s) restored", len(dense))
-    return model
+    logger.info("restore_dense: %d sparse layer(s) to restore", len(dense))
+    return _swap(model, dense, model)  # the last step (see _swap)
