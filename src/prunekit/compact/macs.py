@@ -35,6 +35,12 @@ class _MacMode(TorchFunctionMode):
             w = args[1] if len(args) > 1 else kwargs["weight"]
             self.macs += out.numel() * _prod(w.shape[1:])
             return out
+        if name in ("conv_transpose1d", "conv_transpose2d", "conv_transpose3d"):
+            out = func(*args, **kwargs)
+            x = args[0] if args else kwargs["input"]
+            w = args[1] if len(args) > 1 else kwargs["weight"]
+            self.macs += x.numel() * _prod(w.shape[1:])  # each input element meets out/groups x kernel weights
+            return out
         if name in ("matmul", "__matmul__", "bmm", "mm", "baddbmm", "addmm", "addbmm"):
             out = func(*args, **kwargs)
             a = args[1] if name.startswith("add") or name == "baddbmm" else args[0]
@@ -63,7 +69,7 @@ def _mha_macs(args: tuple, kwargs: dict) -> int:
 
 
 def count_macs(model: nn.Module, example_inputs: Any) -> int:
-    """Multiply-accumulates of one forward pass: linear, conv, matmul and attention ops.
+    """Multiply-accumulates of one forward pass: linear, conv (also transposed), matmul and attention ops.
 
     Element-wise ops, norms and pooling are not counted.
 
