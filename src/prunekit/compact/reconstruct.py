@@ -119,7 +119,6 @@ def _gather(model: nn.Module, batches: Sequence[Any], readers: List[_Reader], to
         r.stats = ActivationStats(r.module.in_features + 1, hessian=True, dtype=torch.float64)
         by_id[id(r.module)] = r
     handles = [r.module.register_forward_pre_hook(hook) for r in readers]
-    tokens = 0
     was = [(m, m.training) for m in model.modules()]
     try:
         model.eval()
@@ -132,13 +131,12 @@ def _gather(model: nn.Module, batches: Sequence[Any], readers: List[_Reader], to
                     model(*args, **kwargs)
                 except _Stop:
                     pass
-                tokens += int(mask.sum()) if mask is not None else 0
     finally:
         for h in handles:
             h.remove()
         for m, t in was:
             m.training = t
-    return tokens
+    return readers[0].stats.count  # rows (tokens) the statistics saw, padding left out
 
 
 def _stats_view(s: ActivationStats, n: int) -> ActivationStats:
@@ -281,6 +279,15 @@ def prune_with_calibration(
         check_graph(graph, model, ignored_layers)
     groups = graph.prunable_groups()
     readers = {i: _readers(graph, g) for i, g in enumerate(groups)}
+    if scorer.needs_calibration:
+        bare = [g for i, g in enumerate(groups) if not readers[i]]
+        if bare:
+            raise ValueError(
+                f"prune_with_calibration: importance {importance!r} scores units by the inputs of the nn.Linear "
+                f"layers that read them, and {len(bare)} group(s) have no such reader (e.g. {bare[0]!r}; readers "
+                "such as convolutions or GPT-2's Conv1D are not supported): pass ignored_layers=[...] for them, "
+                "or a weight criterion such as importance='l1'"
+            )
     report = CalibrationReport()
     with atomic() as journal:
         for m in model.modules():
