@@ -206,3 +206,18 @@ def test_approximate_hidden_size_reports_its_error_and_leaves_the_config(tmp_pat
     saved = torch.load(tmp_path / "small.pt", weights_only=True)
     again = load_compacted(make(), saved["state_dict"], saved["description"])
     assert torch.equal(_out(again, TOKENS), _out(small, TOKENS))
+
+
+def test_gpt2_cross_attention_fused_conv1d_heads():
+    cfg = transformers.GPT2Config(vocab_size=H.VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, n_inner=48,
+                                  add_cross_attention=True)
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(cfg).eval()
+    x = {"input_ids": H.ids(), "encoder_hidden_states": torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1))}
+    d = prune_groups(model, x, 0.5)
+    assert sorted((r.group.slots[0][0], r.total, len(r.removed)) for r in d if r.total == 4) == [
+        ("h.0.attn", 4, 2), ("h.0.crossattention", 4, 2), ("h.1.attn", 4, 2), ("h.1.crossattention", 4, 2)]
+    small = compact(model, x)
+    cross = small.h[0].crossattention
+    assert (cross.q_attn.nf, cross.c_attn.nf, cross.c_proj.nx) == (16, 32, 16)  # query, fused key+value, output
+    assert _rel(_out(small, x), _out(model, x)) < 1e-5
