@@ -432,3 +432,41 @@ def test_handler_interface_is_checked_at_registration():
     assert reg.lookup(nn.Linear(2, 2)) is None
     # the tracer handed to handlers provides the documented interface
     assert isinstance(Tracer(nn.Linear(2, 2), reg), TracerAPI)
+
+
+class _UpBlock(nn.Module):
+    """Encoder conv -> BN -> ConvTranspose upsampling, concatenated with a skip branch (UNet-like)."""
+
+    def __init__(self, dims=2):
+        super().__init__()
+        conv, bn, up = {1: (nn.Conv1d, nn.BatchNorm1d, nn.ConvTranspose1d),
+                        2: (nn.Conv2d, nn.BatchNorm2d, nn.ConvTranspose2d)}[dims]
+        self.down = conv(3, 16, 3, stride=2, padding=1)
+        self.bn = bn(16)
+        self.up = up(16, 8, 2, stride=2)
+        self.skip = conv(3, 8, 1)
+        self.head = conv(16, 2, 1)
+
+    def forward(self, x):
+        u = torch.relu(self.up(torch.relu(self.bn(self.down(x)))))
+        return self.head(torch.cat([u, self.skip(x)], 1))
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+def test_conv_transpose_input_and_output_channels(dims):
+    x = torch.randn((2, 3) + (16,) * dims, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    k = 3 ** dims
+    t = 2 ** dims  # transposed kernel positions
+    n_out = 2 * 2 * 16 ** dims  # head's output elements
+    n_half = 2 * 8 ** dims  # one channel of the downsampled map
+    params = (3 * 8 * k + 8) + 2 * 8 + (8 * 4 * t + 4) + (3 * 4 + 4) + (8 * 2 + 2)
+    macs = n_half * 8 * 3 * k + n_half * 8 * 4 * t + n_out // 2 * 4 * 3 + n_out * 8
+    _, small = _check(lambda: _UpBlock(dims), x, params, macs)
+    assert (small.up.in_channels, small.up.out_channels, small.head.in_channels) == (8, 4, 8)
+
+
+def test_count_macs_counts_transposed_convolutions():
+    up = nn.ConvTranspose2d(4, 6, 3, stride=2)
+    x = torch.randn(2, 4, 5, 5)
+    assert count_macs(up, x) == 2 * 4 * 5 * 5 * 6 * 3 * 3  # every input element meets out x kernel weights

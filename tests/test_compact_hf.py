@@ -176,3 +176,48 @@ def test_cached_keys_block_attention_with_a_reason():
     g = build_dependency_graph(model, {"input_ids": H.ids(tokens=2), "cache": past, "use_cache": True})
     reasons = {gr.blocked for gr in g.groups if any(s == "k" for _, s in gr.slots)}
     assert reasons and all("cached keys/values" in r for r in reasons)
+
+
+def test_approximate_hidden_size_reports_its_error_and_leaves_the_config(tmp_path):
+    from prunekit.compact import load_compacted, save_compacted
+
+    def make():
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(vocab_size=H.VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        return transformers.LlamaForCausalLM(cfg).eval()
+
+    model = make()
+    exact = build_dependency_graph(model, TOKENS)
+    hidden = [g for g in exact.groups if ("model.norm", "features") in g.slots]
+    assert len(hidden) == 1 and "RMSNorm 'model.layers.0.input_layernorm' normalizes over these" in hidden[0].blocked
+    graph = build_dependency_graph(model, TOKENS, exact=False)
+    decisions = prune_groups(model, TOKENS, 0.25, graph=graph)
+    assert sorted((d.total, len(d.removed)) for d in decisions) == [(2, 0), (2, 0), (32, 8), (48, 12), (48, 12)]
+    small = compact(model, TOKENS, graph=graph)
+    assert small.model.norm.weight.shape == (24,) and small.model.embed_tokens.weight.shape == (H.VOCAB, 24)
+    err = _rel(_out(small, TOKENS), _out(model, TOKENS))
+    desc = compaction_description(small)
+    assert 1e-3 < err == pytest.approx(desc["approximate"]["output_relative_error"], rel=1e-3)
+    # the config cannot say the new hidden size: it is left alone, and the model saves with save_compacted
+    assert desc["hf_config"].startswith("not updated") and "hidden size changed" in desc["hf_config"]
+    assert small.config.hidden_size == 32 and small.config.intermediate_size == 48
+    save_compacted(small, tmp_path / "small.pt")
+    saved = torch.load(tmp_path / "small.pt", weights_only=True)
+    again = load_compacted(make(), saved["state_dict"], saved["description"])
+    assert torch.equal(_out(again, TOKENS), _out(small, TOKENS))
+
+
+def test_gpt2_cross_attention_fused_conv1d_heads():
+    cfg = transformers.GPT2Config(vocab_size=H.VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, n_inner=48,
+                                  add_cross_attention=True)
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(cfg).eval()
+    x = {"input_ids": H.ids(), "encoder_hidden_states": torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1))}
+    d = prune_groups(model, x, 0.5)
+    assert sorted((r.group.slots[0][0], r.total, len(r.removed)) for r in d if r.total == 4) == [
+        ("h.0.attn", 4, 2), ("h.0.crossattention", 4, 2), ("h.1.attn", 4, 2), ("h.1.crossattention", 4, 2)]
+    small = compact(model, x)
+    cross = small.h[0].crossattention
+    assert (cross.q_attn.nf, cross.c_attn.nf, cross.c_proj.nx) == (16, 32, 16)  # query, fused key+value, output
+    assert _rel(_out(small, x), _out(model, x)) < 1e-5

@@ -102,3 +102,16 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="nope"):
         prune_with_calibration(m, _data(1), 0.5, importance="nope")
     assert not prunekit.is_pruned(m)
+
+
+def test_report_counts_rows_and_non_linear_readers_are_refused_for_activation_scores():
+    m = MLP((32, 64, 8)).eval()
+    assert prune_with_calibration(m, _data(3), 0.5).tokens == 3 * 64
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    cal = [torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))]
+    with pytest.raises(ValueError, match=r"importance 'wanda' .* 1 group\(s\) have no such reader"):
+        prune_with_calibration(conv, cal, 0.5)
+    assert not prunekit.is_pruned(conv)
+    report = prune_with_calibration(conv, cal, 0.5, importance="l1")  # weights only: no refit of a conv reader
+    assert [len(d.removed) for d in report.decisions] == [4] and report.fits == []
+    assert compact(conv, cal[0])[0].out_channels == 4

@@ -69,3 +69,17 @@ def test_matmul_counts_in_full_either_way():
 
     a, b = torch.zeros(3, 4), torch.randn(4, 5)
     assert count_macs(Bilinear(), (a, b)) == count_macs(Bilinear(), (a, b), effective=True) == 3 * 5 * 4
+
+
+def test_conv_transpose_counts_nonzero_weights_per_input_element():
+    # ConvTranspose2d(4 -> 6, 3x3): every input element of channel c meets the 6 x 3 x 3 weights w[c]
+    layer = nn.ConvTranspose2d(4, 6, 3, bias=False)
+    x = torch.randn(2, 4, 5, 5)
+    assert count_macs(layer, x) == 2 * 4 * 5 * 5 * 6 * 9
+    with torch.no_grad():
+        layer.weight[1:3] = 0  # input channels 1 and 2 read no weight
+        layer.weight[0, :, 0, 0] = 0  # and channel 0 six fewer
+    nonzero = 4 * 54 - 2 * 54 - 6
+    assert int(torch.count_nonzero(layer.weight)) == nonzero
+    assert count_macs(layer, x, effective=True) == 2 * 5 * 5 * nonzero
+    assert count_macs(layer, x) == 2 * 4 * 5 * 5 * 6 * 9  # the dense count ignores zeros

@@ -37,6 +37,7 @@ class HFFamily:
     kv_heads_key: Optional[str] = None
     head_dim_key: Optional[str] = None  # None: the head size is derived from hidden_size / heads
     attention: str = r"(self_attn|attention|attn|SelfAttention)$"
+    hidden_key: str = "hidden_size"  # the residual stream's width (what its normalizations have)
 
 
 _LLAMA = HFFamily("intermediate_size", (r"mlp\.gate_proj$", r"mlp\.up_proj$"), "num_attention_heads",
@@ -51,10 +52,10 @@ FAMILIES: Dict[str, HFFamily] = {
     "bert": HFFamily("intermediate_size", (r"intermediate\.dense$",), "num_attention_heads", attention=r"attention\.self$"),
     "roberta": HFFamily("intermediate_size", (r"intermediate\.dense$",), "num_attention_heads",
                         attention=r"attention\.self$"),
-    "distilbert": HFFamily("hidden_dim", (r"ffn\.lin1$",), "n_heads", attention=r"\.attention$"),
+    "distilbert": HFFamily("hidden_dim", (r"ffn\.lin1$",), "n_heads", attention=r"\.attention$", hidden_key="dim"),
     "t5": HFFamily("d_ff", (r"DenseReluDense\.wi$", r"DenseReluDense\.wi_0$", r"DenseReluDense\.wi_1$"), "num_heads",
-                   head_dim_key="d_kv", attention=r"layer\.0\.SelfAttention$"),
-    "gpt2": HFFamily("n_inner", (r"mlp\.c_fc$",), "n_head", attention=r"\.attn$"),
+                   head_dim_key="d_kv", attention=r"layer\.0\.SelfAttention$", hidden_key="d_model"),
+    "gpt2": HFFamily("n_inner", (r"mlp\.c_fc$",), "n_head", attention=r"\.attn$", hidden_key="n_embd"),
 }
 
 
@@ -74,6 +75,17 @@ def _heads(m: nn.Module) -> Optional[Tuple[int, int, int]]:
     if isinstance(n, int) and isinstance(d, int):  # BERT-style self-attention
         return n, n, d
     return None
+
+
+def _norm_sizes(named: List[Tuple[str, nn.Module]]) -> List[int]:
+    """The widths of the model's LayerNorm/RMSNorm layers (in these families: the hidden size)."""
+    out = []
+    for _, m in named:
+        w = getattr(m, "weight", None)
+        name = type(m).__name__
+        if (isinstance(m, nn.LayerNorm) or name.endswith(("LayerNorm", "RMSNorm"))) and isinstance(w, nn.Parameter) and w.dim() == 1:
+            out.append(int(w.shape[0]))
+    return out
 
 
 def _one(values: List[int], what: str) -> int:
@@ -111,6 +123,12 @@ def updated_config(model: nn.Module) -> Tuple[Optional[Any], str]:
         head_dim = _one([h[2] for h in heads], "head size")
     except LookupError as exc:
         return None, str(exc)
+    hidden = getattr(config, family.hidden_key, None)
+    widths = sorted(set(_norm_sizes(named)))
+    if isinstance(hidden, int) and widths and widths != [hidden]:
+        return None, (f"the hidden size changed ({family.hidden_key} {hidden}, normalizations now {widths}: "
+                      "approximate pruning with exact=False), which the config update does not cover; "
+                      "save with prunekit.compact.save_compacted")
     new = copy.deepcopy(config)
     changes: Dict[str, int] = {family.ffn_key: ffn}
     old_heads = getattr(config, family.heads_key)

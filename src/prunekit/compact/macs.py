@@ -44,6 +44,16 @@ class _MacMode(TorchFunctionMode):
             out = func(*args, **kwargs)
             self.macs += self._weight_macs(out, args[1] if len(args) > 1 else kwargs["weight"])
             return out
+        if name in ("conv_transpose1d", "conv_transpose2d", "conv_transpose3d"):
+            out = func(*args, **kwargs)
+            x = args[0] if args else kwargs["input"]
+            w = args[1] if len(args) > 1 else kwargs["weight"]
+            # each input element of channel c meets the weights w[c] (out/groups x kernel); effective: non-zero ones
+            if not self.effective:
+                self.macs += x.numel() * _prod(w.shape[1:])
+            elif w.shape[0]:
+                self.macs += (x.numel() // w.shape[0]) * int(torch.count_nonzero(w.detach()))
+            return out
         if name in ("matmul", "__matmul__", "bmm", "mm", "baddbmm", "addmm", "addbmm"):
             out = func(*args, **kwargs)
             a = args[1] if name.startswith("add") or name == "baddbmm" else args[0]
@@ -72,7 +82,7 @@ def _mha_macs(args: tuple, kwargs: dict) -> int:
 
 
 def count_macs(model: nn.Module, example_inputs: Any, *, effective: bool = False) -> int:
-    """Multiply-accumulates of one forward pass: linear, conv, matmul and attention ops.
+    """Multiply-accumulates of one forward pass: linear, conv (also transposed), matmul and attention ops.
 
     Element-wise ops, norms and pooling are not counted. With ``effective=True``
     a linear or convolution op counts only its non-zero weights (the MACs a

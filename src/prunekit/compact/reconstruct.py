@@ -119,7 +119,6 @@ def _gather(model: nn.Module, batches: Sequence[Any], readers: List[_Reader], to
         r.stats = ActivationStats(r.module.in_features + 1, hessian=True, dtype=torch.float64)
         by_id[id(r.module)] = r
     handles: List[Any] = []
-    tokens = 0
     was = [(m, m.training) for m in model.modules()]
 
     def cleanup() -> None:  # idempotent: run again if an interrupt cuts it short
@@ -142,14 +141,13 @@ def _gather(model: nn.Module, batches: Sequence[Any], readers: List[_Reader], to
                     model(*args, **kwargs)
                 except _Stop:
                     pass
-                tokens += int(mask.sum()) if mask is not None else 0
     finally:
         try:
             cleanup()
         except BaseException:
             cleanup()
             raise
-    return tokens
+    return readers[0].stats.count  # rows (tokens) the statistics saw, padding left out
 
 
 def _stats_view(s: ActivationStats, n: int) -> ActivationStats:
@@ -292,6 +290,15 @@ def prune_with_calibration(
         check_graph(graph, model, ignored_layers)
     groups = graph.prunable_groups()
     readers = {i: _readers(graph, g) for i, g in enumerate(groups)}
+    if scorer.needs_calibration:
+        bare = [g for i, g in enumerate(groups) if not readers[i]]
+        if bare:
+            raise ValueError(
+                f"prune_with_calibration: importance {importance!r} scores units by the inputs of the nn.Linear "
+                f"layers that read them, and {len(bare)} group(s) have no such reader (e.g. {bare[0]!r}; readers "
+                "such as convolutions or GPT-2's Conv1D are not supported): pass ignored_layers=[...] for them, "
+                "or a weight criterion such as importance='l1'"
+            )
     report = CalibrationReport()
     with atomic() as journal:
         for m in model.modules():
