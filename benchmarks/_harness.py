@@ -227,6 +227,10 @@ def reachable_storage_bytes(*roots: Any) -> int:
 # processes than about the code: a multi-threaded op waits for its slowest thread, and a thread
 # that is descheduled stalls the whole op.
 QUIET_LOAD = 1.5
+# The benchmark's own earlier parts count in the load average too (two busy threads pull it toward 2
+# within a minute or two), so before refusing, a part waits this long for the average to fall: the
+# benchmark's own load decays (time constant one minute), other processes' load does not.
+SETTLE_S = 120.0
 
 
 def load_average() -> tuple[float, float, float]:
@@ -250,13 +254,26 @@ def add_load_argument(parser: Any) -> None:
                              f"(they are then marked as taken under load)")
 
 
-def headline_allowed(allow_load: bool, what: str = "speed figures", limit: float = QUIET_LOAD) -> bool:
+def _settle(limit: float, settle_s: float) -> float:
+    """Sleep (up to ``settle_s``) until the 1-minute load average is at most ``limit``; the last reading."""
+    deadline = time.monotonic() + settle_s
+    one = load_average()[0]
+    while one == one and one > limit and time.monotonic() < deadline:
+        time.sleep(5.0)
+        one = load_average()[0]
+    return one
+
+
+def headline_allowed(allow_load: bool, what: str = "speed figures", limit: float = QUIET_LOAD,
+                     settle_s: float = SETTLE_S) -> bool:
     """Whether headline figures may be printed now: a quiet machine, or ``--allow-load``.
 
-    Prints one line saying what was withheld (or that the figures are taken
-    under load) and returns ``False`` when they may not be printed.
+    Above ``limit`` it first waits up to ``settle_s`` seconds for the load
+    average to fall (the benchmark's own previous part counts in it). Prints
+    one line saying what was withheld (or that the figures are taken under
+    load) and returns ``False`` when they may not be printed.
     """
-    one = load_average()[0]
+    one = load_average()[0] if allow_load else _settle(limit, settle_s)
     if one == one and one > limit:  # NaN: no load average on this platform, nothing to refuse on
         if not allow_load:
             print(f"   {what}: not measured -- {load_note()} exceeds {limit} (other processes would set the "
