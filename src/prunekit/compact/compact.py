@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -190,8 +191,9 @@ def _plan(target: nn.Module, g: DependencyGraph) -> Tuple[Dict[str, Dict[str, Te
             whole = whole.clone()
             whole[0] = False
             kept.append(_kept_entry(grp, [0], "every unit of its group is removable; one stays so the layers keep a channel"))
-        for u, why in verdict.reasons.items():
-            kept.append(_kept_entry(grp, [u], why))
+        if verdict.reasons:
+            channels = _unit_channels(grp)
+            kept.extend({"units": [u], "channels": channels(u), "reason": why or ""} for u, why in verdict.reasons.items())
         n_whole += int(whole.sum())
         index = grp.member_index()
         for key, (idx, unit_of) in index.items():
@@ -221,6 +223,21 @@ def _kept_entry(grp: Group, units: List[int], reason: Optional[str]) -> Dict[str
         if mine.numel():
             channels[f"{mname}.{sname}" if mname else sname] = mine.tolist()
     return {"units": units, "channels": channels, "reason": reason or ""}
+
+
+def _unit_channels(grp: Group) -> Callable[[int], Dict[str, List[int]]]:
+    """``_kept_entry(grp, [u], ...)["channels"]`` for any single unit ``u``, from one pass over the group."""
+    n = len(grp.units)
+    per_key = []
+    for (mname, sname), (idx, unit_of) in grp.member_index().items():
+        order = torch.argsort(unit_of, stable=True)  # a unit's indices stay in their order
+        starts = [0, *itertools.accumulate(torch.bincount(unit_of, minlength=n).tolist())]
+        per_key.append((f"{mname}.{sname}" if mname else sname, idx[order].tolist(), starts))
+
+    def channels(u: int) -> Dict[str, List[int]]:
+        return {key: vals[starts[u]:starts[u + 1]] for key, vals, starts in per_key if starts[u + 1] > starts[u]}
+
+    return channels
 
 
 def _apply_folds(target: nn.Module, folds: List[Fold], journal: Optional[Journal]) -> None:

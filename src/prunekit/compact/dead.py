@@ -147,27 +147,37 @@ def dead_units(graph: DependencyGraph, group: Group, nz: Optional[NonZero] = Non
         if bool(need.any()) and isinstance(rule, list):
             verdict.folds.append(Fold(mname, sname, idx[need], vals[need], rule))
     if explain:
-        for u in (partial & ~removable).nonzero().view(-1).tolist():
-            verdict.reasons[u] = _why_kept(u, readers, has_readers)
+        verdict.reasons = _why_kept((partial & ~removable).nonzero().view(-1).tolist(), readers, has_readers)
     return verdict
 
 
-def _why_kept(u: int, readers: List[Any], has_readers: bool) -> str:
+def _why_kept(units: List[int], readers: List[Any], has_readers: bool) -> Dict[int, str]:
+    """Why each of ``units`` stays: the first reader (in order) that reads it with a value not
+    proved zero or foldable, at the first such index -- for all units in one pass per reader."""
     if not has_readers:
-        return "nothing reads it, but it is not zero in every tensor it spans (mask all of it)"
+        return {u: "nothing reads it, but it is not zero in every tensor it spans (mask all of it)" for u in units}
+    todo = set(units)
+    why: Dict[int, str] = {}
     for mname, sname, idx, unit_of, colzero, vals, rule, ok in readers:
-        mine = unit_of == u
-        bad = mine & ~ok
-        if not bool(bad.any()):
+        if not todo:
+            break
+        bad = (~ok).nonzero().view(-1)
+        first: Dict[int, int] = {}
+        for i, u in zip(bad.tolist(), unit_of[bad].tolist()):
+            if u in todo and u not in first:
+                first[u] = i
+        if not first:
             continue
-        i = int(bad.nonzero()[0])
-        where = f"'{mname}' ({sname} index {int(idx[i])})"
-        v = float(vals[i])
-        if v != v:  # NaN: unknown
-            return (f"{where} reads it with weights that are not masked, and nothing proves its value there "
-                    "constant (mask the producer's rows and bias, or these input columns)")
-        return f"it holds the constant {v:.6g} where {where} reads it, but {rule}"
-    return "kept"
+        at, value = idx[list(first.values())].tolist(), vals[list(first.values())].tolist()
+        for (u, _), j, v in zip(first.items(), at, value):
+            where = f"'{mname}' ({sname} index {int(j)})"
+            if v != v:  # NaN: unknown
+                why[u] = (f"{where} reads it with weights that are not masked, and nothing proves its value there "
+                          "constant (mask the producer's rows and bias, or these input columns)")
+            else:
+                why[u] = f"it holds the constant {v:.6g} where {where} reads it, but {rule}"
+        todo -= first.keys()
+    return {u: why.get(u, "kept") for u in units}
 
 
 def zero_units(graph: DependencyGraph) -> Dict[int, List[int]]:
