@@ -41,8 +41,13 @@ class NonZero:
     def __call__(self, mname: str, path: str, axis: int) -> Tensor:
         key = (mname, path, axis)
         if key not in self.cache:
-            t = weights.effective(self.graph.module(mname), path)
-            self.cache[key] = (t != 0).movedim(axis, 0).reshape(t.shape[axis], -1).any(dim=1)
+            # the effective value is computed once for the rows and the columns (the axes the
+            # handlers use: one group reads a weight's rows, the next its columns)
+            nonzero = weights.effective(self.graph.module(mname), path) != 0
+            axis %= max(nonzero.dim(), 1)
+            for a in {axis, *range(min(nonzero.dim(), 2))}:
+                self.cache[(mname, path, a)] = _any_along(nonzero, a)
+            self.cache[key] = self.cache[(mname, path, axis)]
         return self.cache[key]
 
     def fold(self, mname: str, sname: str) -> Union[str, list]:
@@ -78,6 +83,15 @@ class Verdict:
     partial: Tensor  # bool per unit: zero (or constant) somewhere in a tensor it spans
     folds: List[Fold] = field(default_factory=list)  # for the removable units
     reasons: Dict[int, str] = field(default_factory=dict)  # kept units that are partly masked: why
+
+
+def _any_along(nonzero: Tensor, axis: int) -> Tensor:
+    """``nonzero.movedim(axis, 0).reshape(n, -1).any(1)`` without the copy ``movedim`` forces."""
+    shape = nonzero.shape
+    pre = 1
+    for d in shape[:axis]:
+        pre *= d
+    return nonzero.reshape(pre, shape[axis], -1).any(dim=2).any(dim=0)
 
 
 def _per_unit_all(ok: Tensor, unit_of: Tensor, n: int) -> Tensor:
