@@ -37,15 +37,26 @@ class NonZero:
         self.graph = graph
         self.cache: Dict[Tuple[str, str, int], Tensor] = {}
         self._folds: Dict[Tuple[str, str], Union[str, list]] = {}
+        self._axes_of: Optional[Dict[Tuple[str, str], set]] = None
+
+    def _axes(self) -> Dict[Tuple[str, str], set]:
+        """Per (module, tensor path), the axes :func:`dead_units` may ask about."""
+        if self._axes_of is None:
+            self._axes_of = {}
+            for (mname, _), info in self.graph.slots.items():
+                for e in info.spec.entries:
+                    if e.role != "buffer":
+                        self._axes_of.setdefault((mname, e.path), set()).add(e.axis)
+        return self._axes_of
 
     def __call__(self, mname: str, path: str, axis: int) -> Tensor:
         key = (mname, path, axis)
         if key not in self.cache:
-            # the effective value is computed once for the rows and the columns (the axes the
-            # handlers use: one group reads a weight's rows, the next its columns)
+            # the effective value is computed once for every axis the graph's slots index
+            # (one group reads a weight's rows, the next its columns)
             nonzero = weights.effective(self.graph.module(mname), path) != 0
             axis %= max(nonzero.dim(), 1)
-            for a in {axis, *range(min(nonzero.dim(), 2))}:
+            for a in {axis} | {a % max(nonzero.dim(), 1) for a in self._axes().get((mname, path), ())}:
                 self.cache[(mname, path, a)] = _any_along(nonzero, a)
             self.cache[key] = self.cache[(mname, path, axis)]
         return self.cache[key]
