@@ -23,7 +23,7 @@ from .. import reparam
 from . import weights
 from .dead import Fold, NonZero, dead_units, zero_units
 from .errors import CompactionError
-from .graph import DependencyGraph, Group, build_dependency_graph, check_graph
+from .graph import DependencyGraph, Group, build_dependency_graph, check_graph, traced_dependency_graph
 from .hf_config import updated_config
 from .inputs import flatten_output, split_inputs
 from .journal import Journal, atomic
@@ -119,7 +119,16 @@ def compact(
         raise ValueError(f"rtol must be a number >= 0, got {rtol!r}")
     if graph is not None:
         check_graph(graph, model, ignored_layers)
-    reference = _outputs(model, example_inputs) if check else None
+    reference = None
+    if check and graph is None and not _has_fastpath(model):
+        # The reference (the masked model's outputs) comes from the forward pass that traces the
+        # model: one forward pass less. Not for models with fused attention fast paths, which the
+        # tracer turns off (the reference is the model's output as it runs).
+        graph, out = traced_dependency_graph(model, example_inputs, ignored_layers=ignored_layers, exact=exact, gqa=gqa)
+        reference = [t.detach() for t in tensors_in(flatten_output(out))]
+        del out
+    elif check:
+        reference = _outputs(model, example_inputs)
     if not inplace:
         target = copy.deepcopy(model)
         g = None if graph is None else dataclasses.replace(graph, model=target)  # the graph names modules
@@ -128,6 +137,12 @@ def compact(
     with atomic() as journal:
         _compact_into(model, example_inputs, graph, ignored_layers, exact, gqa, journal, reference, rtol)
         return model  # inside the block: an interrupt before the return rolls everything back
+
+
+def _has_fastpath(model: nn.Module) -> bool:
+    """Whether ``model`` holds modules whose inference fast path the tracer disables."""
+    kinds = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
+    return any(isinstance(m, kinds) for m in model.modules())
 
 
 def _compact_into(
