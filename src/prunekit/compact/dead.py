@@ -54,7 +54,7 @@ class NonZero:
         if key not in self.cache:
             # the effective value is computed once for every axis the graph's slots index
             # (one group reads a weight's rows, the next its columns)
-            nonzero = weights.effective(self.graph.module(mname), path) != 0
+            nonzero = weights.read_only(self.graph.module(mname), path) != 0
             axis %= max(nonzero.dim(), 1)
             for a in {axis} | {a % max(nonzero.dim(), 1) for a in self._axes().get((mname, path), ())}:
                 self.cache[(mname, path, a)] = _any_along(nonzero, a)
