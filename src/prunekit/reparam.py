@@ -99,6 +99,7 @@ __all__ = [
     "base_class",
     "describe",
     "effective",
+    "effective_for_reading",
     "find_hook",
     "get_mask",
     "is_masked",
@@ -439,6 +440,29 @@ def effective(module: nn.Module, name: str) -> Tensor:
     if is_masked(module, name):
         return masked(module._parameters[name + "_orig"].detach(), module._buffers[name + "_mask"])
     return getattr(module, name).detach()
+
+
+def effective_for_reading(module: nn.Module, name: str) -> Tensor:
+    """:func:`effective`, for a reader that never writes into the result: the value the module's
+    own forward pass computed and cached, when ``name_orig`` and the mask are unchanged since and
+    the value was never handed out; otherwise :func:`effective`'s fresh product.
+
+    Example:
+        >>> import torch, prunekit
+        >>> m = prunekit.custom_from_mask(torch.nn.Linear(2, 2), "weight", torch.tensor([[1.0, 0], [1, 1]]))
+        >>> with torch.no_grad():
+        ...     _ = m(torch.randn(1, 2))  # caches the masked weight
+        >>> torch.equal(effective_for_reading(m, "weight"), effective(m, "weight"))
+        True
+    """
+    cache = module.__dict__.get(_CACHE)
+    entry = cache.get(name) if cache else None
+    if entry is not None and is_masked(module, name):
+        orig, mask = module._parameters[name + "_orig"], module._buffers[name + "_mask"]
+        if (type(orig) in _sharded.PLAIN_TYPES and type(mask) in _sharded.PLAIN_TYPES
+                and not entry.written() and entry.fresh(orig, mask)):
+            return entry.value
+    return effective(module, name)
 
 
 _installer: Optional[Callable[..., Any]] = None

@@ -9,10 +9,12 @@ everywhere. :func:`~prunekit.compact.prune_groups` writes masks of exactly this 
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
+import itertools
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -22,7 +24,8 @@ from .. import reparam
 from . import weights
 from .dead import Fold, NonZero, dead_units, zero_units
 from .errors import CompactionError
-from .graph import DependencyGraph, Group, build_dependency_graph, check_graph
+from .handlers import ModuleHandler
+from .graph import DependencyGraph, Group, build_dependency_graph, check_graph, traced_dependency_graph
 from .hf_config import updated_config
 from .inputs import flatten_output, split_inputs
 from .journal import Journal, atomic
@@ -118,15 +121,37 @@ def compact(
         raise ValueError(f"rtol must be a number >= 0, got {rtol!r}")
     if graph is not None:
         check_graph(graph, model, ignored_layers)
-    reference = _outputs(model, example_inputs) if check else None
+    reference = None
+    if check and graph is None and not _has_fastpath(model):
+        # The reference (the masked model's outputs) comes from the forward pass that traces the
+        # model: one forward pass less. Not for models with fused attention fast paths, which the
+        # tracer turns off (the reference is the model's output as it runs).
+        graph, out = traced_dependency_graph(model, example_inputs, ignored_layers=ignored_layers, exact=exact, gqa=gqa)
+        reference = [t.detach() for t in tensors_in(flatten_output(out))]
+        del out
+    elif check:
+        reference = _outputs(model, example_inputs)
     if not inplace:
-        target = copy.deepcopy(model)
+        plan = memo = None
+        if graph is not None:
+            # plan on the model itself (read only), then copy it without the tensors the copy
+            # replaces by sliced ones anyway: the copy holds the model's own objects there until
+            # it drops them, and never writes into them
+            plan = _plan(model, graph)
+            memo = {id(t): t for t in _replaced_unchanged(model, graph, plan[0], plan[2])}
+        target = copy.deepcopy(model, memo)
         g = None if graph is None else dataclasses.replace(graph, model=target)  # the graph names modules
-        _compact_into(target, example_inputs, g, ignored_layers, exact, gqa, None, reference, rtol)
+        _compact_into(target, example_inputs, g, ignored_layers, exact, gqa, None, reference, rtol, plan)
         return target
     with atomic() as journal:
         _compact_into(model, example_inputs, graph, ignored_layers, exact, gqa, journal, reference, rtol)
         return model  # inside the block: an interrupt before the return rolls everything back
+
+
+def _has_fastpath(model: nn.Module) -> bool:
+    """Whether ``model`` holds modules whose inference fast path the tracer disables."""
+    kinds = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
+    return any(isinstance(m, kinds) for m in model.modules())
 
 
 def _compact_into(
@@ -139,10 +164,11 @@ def _compact_into(
     journal: Optional[Journal],
     reference: Optional[List[Tensor]],
     rtol: float,
+    plan: Optional[Tuple[Dict[str, Dict[str, Tensor]], int, List[Fold], List[Dict[str, Any]]]] = None,
 ) -> None:
     if g is None:
         g = build_dependency_graph(target, example_inputs, ignored_layers=ignored_layers, exact=exact, gqa=gqa)
-    by_module, n_whole, folds, kept = _plan(target, g)
+    by_module, n_whole, folds, kept = _plan(target, g) if plan is None else plan
     if journal is not None:
         journal.module(target)
     _apply_folds(target, folds, journal)
@@ -190,8 +216,9 @@ def _plan(target: nn.Module, g: DependencyGraph) -> Tuple[Dict[str, Dict[str, Te
             whole = whole.clone()
             whole[0] = False
             kept.append(_kept_entry(grp, [0], "every unit of its group is removable; one stays so the layers keep a channel"))
-        for u, why in verdict.reasons.items():
-            kept.append(_kept_entry(grp, [u], why))
+        if verdict.reasons:
+            channels = _unit_channels(grp)
+            kept.extend({"units": [u], "channels": channels(u), "reason": why or ""} for u, why in verdict.reasons.items())
         n_whole += int(whole.sum())
         index = grp.member_index()
         for key, (idx, unit_of) in index.items():
@@ -221,6 +248,63 @@ def _kept_entry(grp: Group, units: List[int], reason: Optional[str]) -> Dict[str
         if mine.numel():
             channels[f"{mname}.{sname}" if mname else sname] = mine.tolist()
     return {"units": units, "channels": channels, "reason": reason or ""}
+
+
+def _replaced_unchanged(
+    model: nn.Module, g: DependencyGraph, by_module: Dict[str, Dict[str, Tensor]], folds: List[Fold]
+) -> List[Tensor]:
+    """The tensors of ``model`` that compacting a copy of it replaces without ever writing into them.
+
+    Those :func:`~prunekit.compact.surgery.shrink_module` slices (their masks are baked after
+    slicing) under a module whose handler builds no replacement; prunekit's own masks or none
+    (``torch.nn.utils.prune``'s remove rewrites ``name_orig``); held by one module under one
+    name only (a tied tensor stays tied in the copy); not a bias a constant is folded into.
+    """
+    held = collections.Counter(
+        id(t) for m in model.modules() for t in itertools.chain(m._parameters.values(), m._buffers.values())
+        if t is not None
+    )
+    folded = set()
+    for f in folds:
+        module = g.module(f.module)
+        for _, _, _, bpath in f.rules:
+            owner, leaf = reparam.owner_of(module, bpath)
+            folded.add(id(reparam.stored(owner, leaf)))
+    out: List[Tensor] = []
+    for mname, removed in by_module.items():
+        handler = g.handlers[mname]
+        if type(handler).convert is not ModuleHandler.convert:
+            continue
+        module = g.module(mname)
+        slots = handler.slots(module)
+        for path in dict.fromkeys(e.path for sname in removed for e in slots[sname].entries):
+            owner, leaf = reparam.owner_of(module, path)
+            if "_flat_weights_names" in owner.__dict__:  # an RNN's flat weights alias its tensors
+                continue
+            if reparam.is_masked(owner, leaf):
+                if leaf not in reparam.pruned_names(owner):
+                    continue
+                tensors = [owner._parameters[leaf + "_orig"], owner._buffers[leaf + "_mask"]]
+            else:
+                t = owner._parameters.get(leaf, owner._buffers.get(leaf))
+                tensors = [] if t is None else [t]
+            out.extend(t for t in tensors if held[id(t)] == 1 and id(t) not in folded)
+    return out
+
+
+def _unit_channels(grp: Group) -> Callable[[int], Dict[str, List[int]]]:
+    """``_kept_entry(grp, [u], ...)["channels"]`` for any single unit ``u``, from one pass over the group."""
+    n = len(grp.units)
+    per_key = []
+    for (mname, sname), (idx, unit_of) in grp.member_index().items():
+        order = torch.argsort(unit_of, stable=True)  # a unit's indices stay in their order
+        starts = [0, *itertools.accumulate(torch.bincount(unit_of, minlength=n).tolist())]
+        per_key.append((f"{mname}.{sname}" if mname else sname, idx[order].tolist(), starts))
+
+    def channels(u: int) -> Dict[str, List[int]]:
+        return {key: vals[starts[u]:starts[u + 1]] for key, vals, starts in per_key if starts[u + 1] > starts[u]}
+
+    return channels
 
 
 def _apply_folds(target: nn.Module, folds: List[Fold], journal: Optional[Journal]) -> None:

@@ -37,12 +37,28 @@ class NonZero:
         self.graph = graph
         self.cache: Dict[Tuple[str, str, int], Tensor] = {}
         self._folds: Dict[Tuple[str, str], Union[str, list]] = {}
+        self._axes_of: Optional[Dict[Tuple[str, str], set]] = None
+
+    def _axes(self) -> Dict[Tuple[str, str], set]:
+        """Per (module, tensor path), the axes :func:`dead_units` may ask about."""
+        if self._axes_of is None:
+            self._axes_of = {}
+            for (mname, _), info in self.graph.slots.items():
+                for e in info.spec.entries:
+                    if e.role != "buffer":
+                        self._axes_of.setdefault((mname, e.path), set()).add(e.axis)
+        return self._axes_of
 
     def __call__(self, mname: str, path: str, axis: int) -> Tensor:
         key = (mname, path, axis)
         if key not in self.cache:
-            t = weights.effective(self.graph.module(mname), path)
-            self.cache[key] = (t != 0).movedim(axis, 0).reshape(t.shape[axis], -1).any(dim=1)
+            # the effective value is computed once for every axis the graph's slots index
+            # (one group reads a weight's rows, the next its columns)
+            nonzero = weights.read_only(self.graph.module(mname), path) != 0
+            axis %= max(nonzero.dim(), 1)
+            for a in {axis} | {a % max(nonzero.dim(), 1) for a in self._axes().get((mname, path), ())}:
+                self.cache[(mname, path, a)] = _any_along(nonzero, a)
+            self.cache[key] = self.cache[(mname, path, axis)]
         return self.cache[key]
 
     def fold(self, mname: str, sname: str) -> Union[str, list]:
@@ -78,6 +94,15 @@ class Verdict:
     partial: Tensor  # bool per unit: zero (or constant) somewhere in a tensor it spans
     folds: List[Fold] = field(default_factory=list)  # for the removable units
     reasons: Dict[int, str] = field(default_factory=dict)  # kept units that are partly masked: why
+
+
+def _any_along(nonzero: Tensor, axis: int) -> Tensor:
+    """``nonzero.movedim(axis, 0).reshape(n, -1).any(1)`` without the copy ``movedim`` forces."""
+    shape = nonzero.shape
+    pre = 1
+    for d in shape[:axis]:
+        pre *= d
+    return nonzero.reshape(pre, shape[axis], -1).any(dim=2).any(dim=0)
 
 
 def _per_unit_all(ok: Tensor, unit_of: Tensor, n: int) -> Tensor:
@@ -147,27 +172,37 @@ def dead_units(graph: DependencyGraph, group: Group, nz: Optional[NonZero] = Non
         if bool(need.any()) and isinstance(rule, list):
             verdict.folds.append(Fold(mname, sname, idx[need], vals[need], rule))
     if explain:
-        for u in (partial & ~removable).nonzero().view(-1).tolist():
-            verdict.reasons[u] = _why_kept(u, readers, has_readers)
+        verdict.reasons = _why_kept((partial & ~removable).nonzero().view(-1).tolist(), readers, has_readers)
     return verdict
 
 
-def _why_kept(u: int, readers: List[Any], has_readers: bool) -> str:
+def _why_kept(units: List[int], readers: List[Any], has_readers: bool) -> Dict[int, str]:
+    """Why each of ``units`` stays: the first reader (in order) that reads it with a value not
+    proved zero or foldable, at the first such index -- for all units in one pass per reader."""
     if not has_readers:
-        return "nothing reads it, but it is not zero in every tensor it spans (mask all of it)"
+        return {u: "nothing reads it, but it is not zero in every tensor it spans (mask all of it)" for u in units}
+    todo = set(units)
+    why: Dict[int, str] = {}
     for mname, sname, idx, unit_of, colzero, vals, rule, ok in readers:
-        mine = unit_of == u
-        bad = mine & ~ok
-        if not bool(bad.any()):
+        if not todo:
+            break
+        bad = (~ok).nonzero().view(-1)
+        first: Dict[int, int] = {}
+        for i, u in zip(bad.tolist(), unit_of[bad].tolist()):
+            if u in todo and u not in first:
+                first[u] = i
+        if not first:
             continue
-        i = int(bad.nonzero()[0])
-        where = f"'{mname}' ({sname} index {int(idx[i])})"
-        v = float(vals[i])
-        if v != v:  # NaN: unknown
-            return (f"{where} reads it with weights that are not masked, and nothing proves its value there "
-                    "constant (mask the producer's rows and bias, or these input columns)")
-        return f"it holds the constant {v:.6g} where {where} reads it, but {rule}"
-    return "kept"
+        at, value = idx[list(first.values())].tolist(), vals[list(first.values())].tolist()
+        for (u, _), j, v in zip(first.items(), at, value):
+            where = f"'{mname}' ({sname} index {int(j)})"
+            if v != v:  # NaN: unknown
+                why[u] = (f"{where} reads it with weights that are not masked, and nothing proves its value there "
+                          "constant (mask the producer's rows and bias, or these input columns)")
+            else:
+                why[u] = f"it holds the constant {v:.6g} where {where} reads it, but {rule}"
+        todo -= first.keys()
+    return {u: why.get(u, "kept") for u in units}
 
 
 def zero_units(graph: DependencyGraph) -> Dict[int, List[int]]:

@@ -62,7 +62,7 @@ names the operation and the module, e.g. ``"op 'einsum' in module
 from __future__ import annotations
 
 import gc
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -119,6 +119,21 @@ def build_dependency_graph(
         >>> [len(grp.units) for grp in g.prunable_groups()]
         [16]
     """
+    return traced_dependency_graph(model, example_inputs, ignored_layers=ignored_layers, exact=exact,
+                                   registry=registry, gqa=gqa)[0]
+
+
+def traced_dependency_graph(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    ignored_layers: Optional[Sequence[Any]] = None,
+    exact: bool = True,
+    registry: Optional[HandlerRegistry] = None,
+    gqa: str = "groups",
+) -> Tuple[DependencyGraph, Any]:
+    """:func:`build_dependency_graph`, and the model's output on ``example_inputs`` from the
+    traced forward pass (in eval mode, without gradients, fused attention fast paths off)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"build_dependency_graph expects an nn.Module, got {type(model).__name__}")
     if gqa not in GQA_MODES:
@@ -145,7 +160,7 @@ def build_dependency_graph(
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        tracer.run(example_inputs, explicit)
+        output = tracer.run(example_inputs, explicit)
         ignored = list(explicit)
         if ignored_layers is None:
             # The final classifier keeps its outputs (they are the model's outputs and were
@@ -155,7 +170,7 @@ def build_dependency_graph(
         graph.options = {**tracer.options, "exact": exact}
         graph.read_values = read_values(tracer.reads, tracer.uf.n)
         graph.order = list(tracer.order)
-        return graph
+        return graph, output
     finally:
         if gc_was_enabled:
             gc.enable()

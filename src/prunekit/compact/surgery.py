@@ -58,12 +58,18 @@ def shrink_module(
     for sname, idx in removed.items():
         for e in slots[sname].entries:
             drop.setdefault(e.path, {}).setdefault(e.axis, []).append(idx + e.offset)
-    # bake every mask under this module, remembering it
+    # drop every mask under this module, remembering it, and bake it into the values. A tensor
+    # that is sliced below is baked after slicing (same values: the bake is elementwise), on
+    # the part that stays only, and never in place; a handler that builds a replacement module
+    # reads the module's tensors, so those are all baked first, in place, as remove() does.
+    lazy = type(handler).convert is ModuleHandler.convert
     masks: Dict[str, Tensor] = {}
     for sub_name, sub, name in list(reparam.iter_masked(module)):
-        if journal is not None:  # baking zeroes the masked entries of name_orig in place
+        path = f"{sub_name}.{name}" if sub_name else name
+        bake = not (lazy and path in drop)
+        if bake and journal is not None:  # baking zeroes the masked entries of name_orig in place
             journal.tensor(reparam.stored(sub, name))
-        masks[f"{sub_name}.{name}" if sub_name else name] = reparam.unmask(sub, name)
+        masks[path] = reparam.unmask(sub, name, bake=bake)
     replacement = handler.convert(module, sizes)
     if replacement is not None:
         parent, leaf = reparam.owner_of(model, mname)
@@ -80,10 +86,13 @@ def shrink_module(
             gone = torch.zeros(t.shape[axis], dtype=torch.bool)
             gone[torch.cat(parts)] = True
             keep[axis] = (~gone).nonzero().flatten()
-        replace_tensor(owner, leaf, slice_tensor(t, keep))
-        shapes[path] = list(getattr(owner, leaf).shape)
+        new = slice_tensor(t.detach(), keep)
         if path in masks:
             masks[path] = slice_tensor(masks[path], keep)
+            if lazy:
+                new = reparam.masked(new, masks[path], inplace=True)  # a fresh tensor: index_select copies
+        replace_tensor(owner, leaf, new)
+        shapes[path] = list(getattr(owner, leaf).shape)
     attrs = handler.attrs(module, sizes)
     for path, value in attrs.items():
         set_attr(module, path, value)

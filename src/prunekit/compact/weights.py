@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from .. import reparam
 
-__all__ = ["effective", "is_masked", "maybe"]
+__all__ = ["effective", "is_masked", "maybe", "read_only"]
 
 
 def is_masked(module: nn.Module, path: str) -> bool:
@@ -32,6 +32,20 @@ def effective(module: nn.Module, path: str) -> Tensor:
     """
     owner, leaf = reparam.owner_of(module, path)
     return reparam.effective(owner, leaf)
+
+
+def read_only(module: nn.Module, path: str) -> Tensor:
+    """:func:`effective` for a reader that never writes into it: may be the value the module's
+    forward pass cached (see :func:`prunekit.reparam.effective_for_reading`).
+
+    Example:
+        >>> import torch, prunekit
+        >>> m = prunekit.custom_from_mask(torch.nn.Linear(2, 2), "weight", torch.tensor([[1.0, 0], [1, 1]]))
+        >>> torch.equal(read_only(m, "weight"), effective(m, "weight"))
+        True
+    """
+    owner, leaf = reparam.owner_of(module, path)
+    return reparam.effective_for_reading(owner, leaf)
 
 
 def maybe(module: nn.Module, path: str) -> Optional[Tensor]:
