@@ -243,6 +243,21 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save_figure(fig: Any, path: PathLike) -> str:
+    """Lay out ``fig``, write it to ``path`` through the atomic writer (format from the suffix, PNG
+    without one) and close it, also on failure. Returns the path as a string."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = os.fspath(path)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=120, format=os.path.splitext(path)[1][1:] or "png")
+    finally:
+        plt.close(fig)
+    return path
+
+
 def plot_layer_sparsity(report: ModelReport, path: PathLike, *, title: Optional[str] = None) -> str:
     """Write a PNG bar chart of each layer's element-wise and channel sparsity; returns the path.
 
@@ -271,14 +286,7 @@ def plot_layer_sparsity(report: ModelReport, path: PathLike, *, title: Optional[
     ax.set_xlabel("sparsity (%)")
     ax.set_title(title or f"per-layer sparsity (total {100 * report.sparsity_layers:.1f}% of weights)")
     ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    path = os.fspath(path)
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=120, format=os.path.splitext(path)[1][1:] or "png")
-    finally:
-        plt.close(fig)
-    return path
+    return _save_figure(fig, path)
 
 
 def plot_accuracy_vs_sparsity(
@@ -338,14 +346,7 @@ def plot_accuracy_vs_sparsity(
             top = 100 * dense_accuracy
             ax.set_ylim(top - 4, min(100.5, top + 1.5))
             ax.set_title("zoom: within 4 points of dense")
-    fig.tight_layout()
-    path = os.fspath(path)
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=120, format=os.path.splitext(path)[1][1:] or "png")
-    finally:
-        plt.close(fig)
-    return path
+    return _save_figure(fig, path)
 
 
 def plot_grouped_bars(
@@ -403,11 +404,4 @@ def plot_grouped_bars(
     ax.set_title(title or f"{value} by {group}")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="lower left")
-    fig.tight_layout()
-    path = os.fspath(path)
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=120, format=os.path.splitext(path)[1][1:] or "png")
-    finally:
-        plt.close(fig)
-    return path
+    return _save_figure(fig, path)
