@@ -28,7 +28,7 @@ from .handlers import ModuleHandler
 from .graph import DependencyGraph, Group, build_dependency_graph, check_graph, traced_dependency_graph
 from .hf_config import updated_config
 from .inputs import flatten_output, split_inputs
-from .journal import Journal, atomic
+from .journal import Journal, atomic, finish
 from .modules import REPLACEMENTS
 from .ops import tensors_in
 from .surgery import replace_tensor, set_attr, shrink_module
@@ -365,11 +365,7 @@ def _outputs(model: nn.Module, example_inputs: Any) -> List[Tensor]:
         with torch.no_grad():
             out = model(*args, **kwargs)
     finally:
-        try:
-            restore()
-        except BaseException:
-            restore()
-            raise
+        finish(restore)
     return [t.detach() for t in tensors_in(flatten_output(out))]
 
 

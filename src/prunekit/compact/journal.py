@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Journal", "atomic"]
+__all__ = ["Journal", "atomic", "finish"]
 
 
 class _ModuleState:
@@ -166,3 +166,13 @@ def _deferred_interrupt() -> Iterator[None]:
                 raise KeyboardInterrupt
             if callable(old):
                 old(*pending[0])
+
+
+def finish(cleanup: Any) -> None:
+    """Run an idempotent ``cleanup`` (remove hooks, restore modes) to the end: if an exception --
+    ``KeyboardInterrupt`` included -- cuts it short, run it once more, then re-raise."""
+    try:
+        cleanup()
+    except BaseException:
+        cleanup()
+        raise

@@ -35,7 +35,7 @@ from . import weights
 from .graph import build_dependency_graph, check_graph
 from .importance import group_importance
 from .inputs import split_inputs
-from .journal import atomic
+from .journal import atomic, finish
 from .prune import GroupDecision, keep_count, write_masks
 from .results import DependencyGraph, Group
 
@@ -142,11 +142,7 @@ def _gather(model: nn.Module, batches: Sequence[Any], readers: List[_Reader], to
                 except _Stop:
                     pass
     finally:
-        try:
-            cleanup()
-        except BaseException:
-            cleanup()
-            raise
+        finish(cleanup)
     return readers[0].stats.count  # rows (tokens) the statistics saw, padding left out
 
 

@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 from . import shadows as lbl
 from .consts import ConstMap, from_slot, lookup
 from .errors import TraceError
+from .journal import finish
 from .inputs import flatten_output, split_inputs
 from .ops import op_name, tensors_in
 from .results import SlotInfo
@@ -347,11 +348,7 @@ class Tracer(OpRules):
                 "model(*example_inputs) accepts."
             ) from exc
         finally:
-            try:
-                cleanup()
-            except BaseException:
-                cleanup()
-                raise
+            finish(cleanup)
         for t in tensors_in(flatten_output(output)):
             s = self.shadow(t)
             if s is not None:
