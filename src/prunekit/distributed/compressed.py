@@ -18,7 +18,7 @@ instead of leaving them waiting; nothing is left at ``path`` on failure.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -33,22 +33,14 @@ __all__ = ["save_compressed"]
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-def _drop_masked(state: Mapping[str, Tensor]) -> "dict[str, Tensor]":
-    """``X_orig`` with zeros where ``X_mask`` is zero, shard by shard (nothing gathered)."""
-    out = dict(state)
-    for key, value in state.items():
-        if not key.endswith("_orig"):
-            continue
-        mask = state.get(key[: -len("_orig")] + "_mask")
-        if mask is None or tuple(mask.shape) != tuple(value.shape):
-            continue
-        # the one definition of mask application (reparam.masked), on the local shard when sharded
-        if is_dtensor(value) and is_dtensor(mask):
-            piece = piece_of(value, key)
-            out[key] = wrap(reparam.masked(value.to_local().detach(), mask.to_local() != 0), piece)
-        elif not is_dtensor(value) and not is_dtensor(mask):
-            out[key] = reparam.masked(value.detach(), mask != 0)
-    return out
+def _masked_shard(key: str, value: Tensor, mask: Tensor) -> Optional[Tensor]:
+    """``reparam.masked`` on this rank's shard (nothing gathered); ``None`` (left as is) for a DTensor
+    paired with a plain tensor."""
+    if is_dtensor(value) and is_dtensor(mask):
+        return wrap(reparam.masked(value.to_local().detach(), mask.to_local() != 0), piece_of(value, key))
+    if not is_dtensor(value) and not is_dtensor(mask):
+        return reparam.masked(value.detach(), mask != 0)
+    return None
 
 
 def save_compressed(model_or_state_dict: Union[nn.Module, Mapping[str, Tensor]], path: PathLike, *, dst: int = 0,
@@ -70,11 +62,11 @@ def save_compressed(model_or_state_dict: Union[nn.Module, Mapping[str, Tensor]],
         True
         >>> dist.destroy_process_group()
     """
-    from ..io.compressed import CompressedWriter
+    from ..io.compressed import CompressedWriter, drop_masked
 
     state = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, nn.Module) else model_or_state_dict
     if drop_masked_values:
-        state = _drop_masked(state)
+        state = drop_masked(state, _masked_shard)
     rank = dist.get_rank()
     writer = None
     failure: Union[BaseException, None] = None

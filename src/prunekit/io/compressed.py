@@ -57,7 +57,7 @@ import shutil
 import tempfile
 import warnings
 from collections import OrderedDict
-from typing import Any, Dict, IO, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, IO, List, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -76,6 +76,7 @@ from .writer import PathLike, atomic_path, atomic_write
 
 __all__ = [
     "CompressedWriter",
+    "drop_masked",
     "write_compressed",
     "load_compressed",
     "is_compressed_header",
@@ -339,18 +340,31 @@ def _state_dict_of(obj: Any) -> "OrderedDict[str, torch.Tensor]":
     return out
 
 
-def _drop_masked(sd: "OrderedDict[str, torch.Tensor]") -> "OrderedDict[str, torch.Tensor]":
-    """Zero ``X_orig`` wherever ``X_mask`` is zero (the effective weight is unchanged)."""
+def drop_masked(sd: Mapping[str, torch.Tensor],
+                apply: Optional[Callable[[str, torch.Tensor, torch.Tensor], Optional[torch.Tensor]]] = None
+                ) -> "OrderedDict[str, torch.Tensor]":
+    """``sd`` with every ``X_orig`` zeroed wherever its ``X_mask`` is zero (the effective weight is unchanged).
+
+    ``apply(key, value, mask)`` applies one mask (default :func:`prunekit.reparam.masked` with the mask's
+    zeros only, so kept values stay exact); :mod:`prunekit.distributed` passes its shard-local form.
+
+    Example:
+        >>> import torch
+        >>> sd = {"w_orig": torch.tensor([1.0, -2.0]), "w_mask": torch.tensor([0.0, 1.0])}
+        >>> drop_masked(sd)["w_orig"].tolist()
+        [0.0, -2.0]
+    """
+    apply = apply or (lambda _key, value, mask: reparam.masked(value.detach(), mask != 0))
     out = OrderedDict(sd)
     for key, value in sd.items():
         if not key.endswith("_orig"):
             continue
-        mask_key = key[: -len("_orig")] + "_mask"
-        mask = sd.get(mask_key)
-        if mask is None or mask.shape != value.shape:
+        mask = sd.get(key[: -len("_orig")] + "_mask")
+        if mask is None or tuple(mask.shape) != tuple(value.shape):
             continue
-        # the one definition of mask application, with the mask's zeros only (values kept exactly elsewhere)
-        out[key] = reparam.masked(value, mask != 0)
+        masked = apply(key, value, mask)
+        if masked is not None:
+            out[key] = masked
     return out
 
 
@@ -433,7 +447,7 @@ def write_compressed(
             "rank 0, gathering one tensor at a time)"
         )
     if drop_masked_values:
-        sd = _drop_masked(sd)
+        sd = drop_masked(sd)
     index: List[Dict[str, Any]] = []
     tensors: Dict[str, torch.Tensor] = {}
     for name, t in sd.items():

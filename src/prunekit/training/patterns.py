@@ -11,24 +11,7 @@ Example:
     True
 """
 
-from ..kernels.patterns import (  # noqa: F401
-    ChannelPattern,
-    NInMPattern,
-    NxMPattern,
-    Pattern,
-    from_2d,
-    get_pattern,
-    select_lowest,
-    to_2d,
-)
+from ..kernels import patterns as _patterns
+from ..kernels.patterns import *  # noqa: F401,F403
 
-__all__ = [
-    "Pattern",
-    "NxMPattern",
-    "ChannelPattern",
-    "NInMPattern",
-    "get_pattern",
-    "to_2d",
-    "from_2d",
-    "select_lowest",
-]
+__all__ = list(_patterns.__all__)
