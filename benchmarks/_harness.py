@@ -10,7 +10,8 @@ Nothing here knows about pruning. It provides:
   its JSON result;
 * the load rule: :func:`add_load_argument` and :func:`headline_allowed` -- a
   benchmark prints no headline speed figure while the 1-minute load average
-  exceeds :data:`QUIET_LOAD` unless it was given ``--allow-load``, and
+  exceeds :data:`QUIET_LOAD` (after waiting up to :data:`SETTLE_S` for it to fall)
+  unless it was given ``--allow-load``, and
   :func:`load_note` is printed beside every figure;
 * small statistics and table-formatting helpers.
 """

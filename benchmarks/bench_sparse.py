@@ -32,7 +32,8 @@ Usage::
     python benchmarks/bench_sparse.py --parts kernels,minilm --cpu-time  # 1 thread, CPU time
 
 Every speed figure is printed with the load average beside it. While the
-1-minute load average exceeds 1.5 the speed parts refuse to run (the figures
+1-minute load average exceeds 1.5 (after up to two minutes of waiting for it to
+fall) the speed parts refuse to run (the figures
 would measure the other processes) unless ``--allow-load`` is given; then
 each row is marked ``[loaded N]``.
 """
