@@ -148,26 +148,28 @@ class _Stats:
 
 def _stages(block: nn.Module, targets: Sequence[Target], inp: BlockInput) -> List[List[Target]]:
     """Group a block's targets by the input they read, in execution order (q/k/v share one input)."""
-    order: List[Tuple[int, Target]] = []
+    # the inputs themselves, not their id(): a tensor freed during the forward (o_proj's input)
+    # may hand its address to the next one (the FFN's input), and an id would then merge two stages
+    order: List[Tuple[Tensor, Target]] = []
 
     def hook_for(t: Target) -> Callable[..., None]:
         def hook(_m: nn.Module, args: Tuple[Any, ...]) -> None:
-            order.append((id(args[0]), t))
+            order.append((args[0], t))
         return hook
 
     with pre_hooks([(t.module, hook_for(t)) for t in targets]), torch.no_grad():
         block(*inp.args, **inp.kwargs)
     stages: List[List[Target]] = []
-    keys: List[int] = []
+    last: Optional[Tensor] = None
     done = set()
-    for key, t in order:
+    for x, t in order:
         if t.name in done:
             continue
         done.add(t.name)
-        if keys and keys[-1] == key:
+        if stages and last is x:
             stages[-1].append(t)
         else:
-            keys.append(key)
+            last = x
             stages.append([t])
     missing = [t for t in targets if t.name not in done]
     if missing:
