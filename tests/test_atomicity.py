@@ -155,12 +155,21 @@ _WITH: Dict[Tuple[str, int], bool] = {}
 
 
 def _is_with(filename: str, lineno: int) -> bool:
-    """A ``with`` line: CPython reports it again when the block ends, and an exception raised by a
-    tracer *there* skips ``__exit__`` (an artefact of tracing, not a step of the call): never inject there."""
+    """Lines where a tracer's exception models nothing real: never inject there.
+
+    * a ``with`` line: CPython reports it again when the block ends, and an exception raised by a
+      tracer *there* skips ``__exit__``;
+    * a ``try:`` line: it compiles to a ``NOP``, where a real ``KeyboardInterrupt`` is never
+      delivered (signals are handled at calls and backward jumps), and CPython 3.11 leaves the
+      ``NOP`` of a ``try`` that opens a ``with`` block outside the block's exception table, so a
+      tracer's exception there skips ``__exit__`` too (``with torch.no_grad(): try: ...`` would
+      "leave" grad mode off, which no interrupt can do).
+    """
     key = (filename, lineno)
     hit = _WITH.get(key)
     if hit is None:
-        hit = _WITH[key] = linecache.getline(filename, lineno).lstrip().startswith(("with ", "async with "))
+        line = linecache.getline(filename, lineno).strip()
+        hit = _WITH[key] = line.startswith(("with ", "async with ")) or line == "try:"
     return hit
 
 

@@ -210,7 +210,7 @@ def _plan(target: nn.Module, g: DependencyGraph) -> Tuple[Dict[str, Dict[str, Te
                 logger.warning("compact: %d masked unit(s) left in place: %s", int((whole | partial).sum()), grp.blocked)
                 kept.append(_kept_entry(grp, (whole | partial).nonzero().view(-1).tolist(), grp.blocked))
             continue
-        n_units += len(grp.units)
+        n_units += grp.n_units
         if bool(whole.all()):
             logger.warning("compact: every unit of %r is masked; keeping one so the layers stay valid", grp)
             whole = whole.clone()
@@ -294,7 +294,7 @@ def _replaced_unchanged(
 
 def _unit_channels(grp: Group) -> Callable[[int], Dict[str, List[int]]]:
     """``_kept_entry(grp, [u], ...)["channels"]`` for any single unit ``u``, from one pass over the group."""
-    n = len(grp.units)
+    n = grp.n_units
     per_key = []
     for (mname, sname), (idx, unit_of) in grp.member_index().items():
         order = torch.argsort(unit_of, stable=True)  # a unit's indices stay in their order
@@ -361,11 +361,15 @@ def _outputs(model: nn.Module, example_inputs: Any) -> List[Tensor]:
             m.training = t
 
     try:
-        model.eval()
-        with torch.no_grad():
-            out = model(*args, **kwargs)
-    finally:
-        finish(restore)
+        try:
+            model.eval()
+            with torch.no_grad():
+                out = model(*args, **kwargs)
+        finally:
+            finish(restore)
+    except BaseException:
+        restore()  # an interrupt on the finally's first line: restore has not run
+        raise
     return [t.detach() for t in tensors_in(flatten_output(out))]
 
 

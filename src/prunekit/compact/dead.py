@@ -129,7 +129,7 @@ def dead_units(graph: DependencyGraph, group: Group, nz: Optional[NonZero] = Non
         [True, False, False]
     """
     nz = nz or NonZero(graph)
-    n = len(group.units)
+    n = group.n_units
     readers_ok = torch.ones(n, dtype=torch.bool)
     others_zero = torch.ones(n, dtype=torch.bool)
     partial = torch.zeros(n, dtype=torch.bool)

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .results import DependencyGraph, Group
+from .results import DependencyGraph, Group, _Runs
 from .tracer import OUTPUT_REASON, Tracer
 
 __all__ = ["collect", "default_final_layers", "read_values"]
@@ -43,7 +43,7 @@ def collect(tracer: Tracer, ignored: Tuple[str, ...]) -> DependencyGraph:
     run_start = torch.ones_like(run_key, dtype=torch.bool)
     run_start[1:] = run_key[1:] != run_key[:-1]
     starts_at = run_start.nonzero().view(-1)
-    run_len = torch.diff(torch.cat([starts_at, torch.tensor([run_key.numel()])])).tolist()
+    run_len_t = torch.diff(torch.cat([starts_at, torch.tensor([run_key.numel()])]))
     run_root = r[starts_at]
     # runs of equal root: one unit each
     unit_start = torch.ones_like(run_root, dtype=torch.bool)
@@ -94,19 +94,19 @@ def collect(tracer: Tracer, ignored: Tuple[str, ...]) -> DependencyGraph:
     unit_order = torch.argsort(unit_rank, stable=True)
     per_group = torch.bincount(unit_rank, minlength=n_sig).tolist()
     # the runs in group order (units of a group in order, a unit's runs in slot order), so
-    # each group's members are one contiguous stretch of ``pieces``
+    # each group's members are one contiguous stretch of runs
     runs_sorted = n_runs[unit_order]
     run_perm = torch.repeat_interleave(first_run[unit_order] - (torch.cumsum(runs_sorted, 0) - runs_sorted), runs_sorted)
     run_perm += torch.arange(run_perm.numel())
-    # one index tensor per (unit, slot); single indices share one tensor per value
-    singles = torch.arange(int(sizes.max())).view(-1, 1).unbind()
-    if max(run_len) == 1:  # every run is one id: runs and ids coincide
-        pieces = list(map(singles.__getitem__, index[run_perm].tolist()))
+    # every run's indices in one flat tensor, in that order (groups build their units on demand)
+    if run_len_t.numel() == index.numel():  # every run is one id: runs and ids coincide
+        runs = _Runs(index[run_perm], run_perm, run_len_t[run_perm], ones=True)
+        runs.off = torch.arange(run_perm.numel())
     else:
-        split = list(torch.split(index, run_len))
-        for k in (torch.tensor(run_len) == 1).nonzero().view(-1).tolist():
-            split[k] = singles[int(split[k])]
-        pieces = list(map(split.__getitem__, run_perm.tolist()))
+        lens = run_len_t[run_perm]
+        before = torch.cumsum(lens, 0) - lens
+        flat = index[torch.arange(index.numel()) - torch.repeat_interleave(before - starts_at[run_perm], lens)]
+        runs = _Runs(flat, before, lens, ones=False)
     run_slot = run_slot_t.tolist()
     first_units = first_of_sig[sig_order]
     unit_roots = unit_root_t[first_units].tolist()
@@ -119,7 +119,7 @@ def collect(tracer: Tracer, ignored: Tuple[str, ...]) -> DependencyGraph:
         # members in slot order, as the slots were first seen
         names = tuple(keys[i] for i in run_slot[lo0 : lo0 + k])
         # units are built on first access (Group.units): most callers need only member_index()
-        groups.append(Group._lazy(tuple(sorted(names)), names, pieces[pos : pos + count * k], count, uf.blocked.get(unit_roots[gi])))
+        groups.append(Group._lazy(tuple(sorted(names)), names, runs, pos, count, uf.blocked.get(unit_roots[gi])))
         pos += count * k
     return DependencyGraph(tracer.model, groups, tracer.slots, tracer.handlers, ignored)
 

@@ -90,7 +90,7 @@ def group_importance(
         >>> group_importance(g, g.prunable_groups()[0], "l1").shape
         torch.Size([3])
     """
-    n = len(group.units)
+    n = group.n_units
     scorer = as_group_scorer(importance)
     if scorer is None:
         return torch.rand(n, generator=generator)

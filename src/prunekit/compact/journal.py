@@ -170,7 +170,20 @@ def _deferred_interrupt() -> Iterator[None]:
 
 def finish(cleanup: Any) -> None:
     """Run an idempotent ``cleanup`` (remove hooks, restore modes) to the end: if an exception --
-    ``KeyboardInterrupt`` included -- cuts it short, run it once more, then re-raise."""
+    ``KeyboardInterrupt`` included -- cuts it short, run it once more, then re-raise.
+
+    An interrupt can also land on the line that calls ``finish`` (the first line of a
+    ``finally``) or on this function's first line, before ``cleanup`` starts; so call it as::
+
+        try:
+            try:
+                ...                  # install hooks, run the model
+            finally:
+                finish(cleanup)
+        except BaseException:
+            cleanup()                # the finally was cut before cleanup ran
+            raise
+    """
     try:
         cleanup()
     except BaseException:

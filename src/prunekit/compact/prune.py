@@ -112,20 +112,20 @@ def prune_groups(
     scores = [group_importance(graph, g, importance, generator) for g in groups]
     decisions: List[GroupDecision] = []
     if scope == "local":
-        counts = [int(round(amount * len(g.units))) for g in groups]
+        counts = [int(round(amount * g.n_units)) for g in groups]
     else:
         norm = [s / (s.mean() + 1e-12) for s in scores]
         flat = torch.cat(norm) if norm else torch.empty(0)
         k = int(round(amount * flat.numel()))
-        sizes = torch.tensor([len(g.units) for g in groups], dtype=torch.long)
+        sizes = torch.tensor([g.n_units for g in groups], dtype=torch.long)
         owner = torch.repeat_interleave(torch.arange(len(groups)), sizes)
         lowest = torch.argsort(flat, stable=True)[:k]
         counts = torch.bincount(owner[lowest], minlength=len(groups)).tolist()
     if uniform:
         counts = _uniform_counts(groups, counts)
     for g, s, c in zip(groups, scores, counts):
-        n = len(g.units)
-        keep = _keep_count(n, c, g.units[0].width(), round_to)
+        n = g.n_units
+        keep = _keep_count(n, c, g.unit_width, round_to)
         order = torch.argsort(s, stable=True)
         decisions.append(GroupDecision(g, sorted(order[: n - keep].tolist()), n))
     return _write_masks(graph, decisions)  # the last step: nothing can fail between the masks and the return
@@ -143,7 +143,7 @@ def group_kind(group: Group) -> Tuple[Any, ...]:
         ((('#', 'out'), ('#', 'in')), 8)
     """
     names = tuple((re.sub(r"\d+", "#", m), s) for m, s in group.slots)
-    return tuple(sorted(set(names), key=names.index)), len(group.units)
+    return tuple(sorted(set(names), key=names.index)), group.n_units
 
 
 def _uniform_counts(groups: List[Group], counts: List[int]) -> List[int]:

@@ -129,20 +129,24 @@ def _gather(model: nn.Module, batches: Sequence[Any], readers: List[_Reader], to
             m.training = t
 
     try:
-        for r in readers:
-            handles.append(r.module.register_forward_pre_hook(hook))
-        model.eval()
-        with torch.no_grad():
-            for batch, mask in zip(batches, token_masks):
-                seen.clear()
-                current[0] = mask
-                args, kwargs = split_inputs(batch)
-                try:
-                    model(*args, **kwargs)
-                except _Stop:
-                    pass
-    finally:
-        finish(cleanup)
+        try:
+            for r in readers:
+                handles.append(r.module.register_forward_pre_hook(hook))
+            model.eval()
+            with torch.no_grad():
+                for batch, mask in zip(batches, token_masks):
+                    seen.clear()
+                    current[0] = mask
+                    args, kwargs = split_inputs(batch)
+                    try:
+                        model(*args, **kwargs)
+                    except _Stop:
+                        pass
+        finally:
+            finish(cleanup)
+    except BaseException:
+        cleanup()  # an interrupt on the finally's first line: cleanup has not run
+        raise
     return readers[0].stats.count  # rows (tokens) the statistics saw, padding left out
 
 
@@ -155,7 +159,7 @@ def _stats_view(s: ActivationStats, n: int) -> ActivationStats:
 
 
 def _scores(graph: DependencyGraph, group: Group, readers: List[_Reader], scorer: Any) -> Tensor:
-    n = len(group.units)
+    n = group.n_units
     index = group.member_index()
     total = torch.zeros(n)
     for r in readers:
@@ -309,8 +313,8 @@ def prune_with_calibration(
                 scores = _scores(graph, g, rs, scorer)
             else:
                 scores = group_importance(graph, g, importance)
-            n = len(g.units)
-            keep = keep_count(n, int(round(amount * n)), g.units[0].width(), round_to)
+            n = g.n_units
+            keep = keep_count(n, int(round(amount * n)), g.unit_width, round_to)
             removed = sorted(torch.argsort(scores, stable=True)[: n - keep].tolist())
             decision = GroupDecision(g, removed, n)
             report.decisions.append(decision)

@@ -29,11 +29,45 @@ class Unit:
         return max(int(v.numel()) for v in self.members.values())
 
 
+class _Runs:
+    """Every group's unit members of one graph in one flat tensor (built by ``grouping.collect``).
+
+    Runs are (unit, slot) pieces in group order -- the units of a group in order, a unit's
+    runs in the group's slot order -- so group ``g`` owns runs ``[start, start + count * k)``
+    with ``k`` slots; run ``r`` holds ``flat[off[r] : off[r] + lens[r]]`` (slot-local indices).
+    """
+
+    __slots__ = ("flat", "off", "lens", "ones", "_singles")
+
+    def __init__(self, flat: Tensor, off: Tensor, lens: Tensor, ones: bool) -> None:
+        self.flat, self.off, self.lens, self.ones = flat, off, lens, ones  # ones: every run is one index
+        self._singles: Optional[Tuple[Tensor, ...]] = None
+
+    def pieces(self, lo: int, hi: int) -> List[Tensor]:
+        """Runs ``lo..hi-1`` as index tensors (single indices share one tensor per value)."""
+        if self.ones:
+            values = self.flat[lo:hi].tolist()
+            if self._singles is None or len(self._singles) <= max(values, default=0):
+                self._singles = torch.arange(int(self.flat.max()) + 1 if self.flat.numel() else 1).view(-1, 1).unbind()
+            return list(map(self._singles.__getitem__, values))
+        off, lens = self.off[lo:hi].tolist(), self.lens[lo:hi].tolist()
+        return [self.flat[o : o + n] for o, n in zip(off, lens)]
+
+    def member(self, runs: Tensor) -> Tuple[Tensor, Tensor]:
+        """The indices of ``runs`` concatenated, and the position (in ``runs``) of each."""
+        if self.ones:
+            return self.flat[runs], torch.arange(runs.numel())
+        lens = self.lens[runs]
+        before = torch.cumsum(lens, 0) - lens
+        pos = torch.arange(int(lens.sum())) - torch.repeat_interleave(before - self.off[runs], lens)
+        return self.flat[pos], torch.repeat_interleave(torch.arange(runs.numel()), lens)
+
+
 class Group:
     """Units that span the same layer dimensions (e.g. conv1.out + bn1 + conv2.in).
 
-    ``units`` is built on first access (a graph can hold thousands); ``member_index()``
-    and ``slots`` never need it.
+    ``units`` is built on first access (a graph can hold thousands); ``member_index()``,
+    ``n_units``, ``unit_width`` and ``slots`` never need it.
     """
 
     __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
@@ -44,23 +78,24 @@ class Group:
         self.slots = slots
         self.blocked = blocked  # reason this group cannot be pruned, or None
         self._units = units
-        # deferred units: (member keys in order, every unit's pieces in a row, units) -- see _collect
-        self._deferred: Optional[Tuple[Tuple[Tuple[str, str], ...], List[Tensor], int]] = None
+        # deferred units: (member keys in order, the graph's runs, first run, units) -- see grouping.collect
+        self._deferred: Optional[Tuple[Tuple[Tuple[str, str], ...], _Runs, int, int]] = None
         self._index: Optional[Dict[Tuple[str, str], Tuple[Tensor, Tensor]]] = None
 
     @classmethod
     def _lazy(
-        cls, slots: Tuple[Tuple[str, str], ...], names: Tuple[Tuple[str, str], ...], pieces: List[Tensor],
+        cls, slots: Tuple[Tuple[str, str], ...], names: Tuple[Tuple[str, str], ...], runs: _Runs, start: int,
         count: int, blocked: Optional[str],
     ) -> "Group":
         g = cls(slots, None, blocked)
-        g._deferred = (names, pieces, count)
+        g._deferred = (names, runs, start, count)
         return g
 
     @property
     def units(self) -> List[Unit]:
         if self._units is None:
-            names, pieces, count = self._deferred  # type: ignore[misc]
+            names, runs, start, count = self._deferred  # type: ignore[misc]
+            pieces = runs.pieces(start, start + count * len(names))
             rows = zip(*[iter(pieces)] * len(names))  # one unit's pieces per row
             self._units = list(map(Unit, map(dict, map(zip, itertools.repeat(names, count), rows))))
             self._deferred = None
@@ -69,6 +104,21 @@ class Group:
     @units.setter
     def units(self, value: List[Unit]) -> None:
         self._units, self._deferred, self._index = value, None, None
+
+    @property
+    def n_units(self) -> int:
+        """``len(group.units)``, without building the units."""
+        return self._deferred[3] if self._deferred is not None else len(self._units or ())
+
+    @property
+    def unit_width(self) -> int:
+        """``group.units[0].width()`` (0 without units), without building the units."""
+        if self._deferred is not None:
+            names, runs, start, count = self._deferred
+            if not count:
+                return 0
+            return 1 if runs.ones else int(runs.lens[start : start + len(names)].max())
+        return self._units[0].width() if self._units else 0
 
     @property
     def prunable(self) -> bool:
@@ -83,14 +133,16 @@ class Group:
         if self._index is None:
             index: Dict[Tuple[str, str], Tuple[Tensor, Tensor]] = {}
             if self._deferred is not None:
-                names, pieces, _ = self._deferred
-                per_key = [(key, pieces[j :: len(names)]) for j, key in enumerate(names)]
+                names, runs, start, count = self._deferred
+                k = len(names)
+                for j, key in enumerate(names):
+                    index[key] = runs.member(torch.arange(start + j, start + count * k, k))
             else:
                 keys = self._units[0].members if self._units else ()
-                per_key = [(key, [u.members[key] for u in self._units]) for key in keys]
-            for key, parts in per_key:
-                counts = torch.tensor([int(p.numel()) for p in parts])
-                index[key] = (torch.cat(parts), torch.repeat_interleave(torch.arange(len(parts)), counts))
+                for key in keys:
+                    parts = [u.members[key] for u in self._units]
+                    counts = torch.tensor([int(p.numel()) for p in parts])
+                    index[key] = (torch.cat(parts), torch.repeat_interleave(torch.arange(len(parts)), counts))
             self._index = index
         return self._index
 
@@ -103,8 +155,7 @@ class Group:
         names = ", ".join(f"{m}.{s}" for m, s in self.slots[:6])
         more = f", +{len(self.slots) - 6}" if len(self.slots) > 6 else ""
         state = "prunable" if self.blocked is None else f"blocked: {self.blocked}"
-        units = self.units
-        return f"Group({len(units)} units x{units[0].width() if units else 0} [{names}{more}]; {state})"
+        return f"Group({self.n_units} units x{self.unit_width} [{names}{more}]; {state})"
 
 
 @dataclass

@@ -53,6 +53,7 @@ class Tracer(OpRules):
         self.names: Dict[int, str] = {id(m): n for n, m in self.named}
         self.by_name: Dict[str, nn.Module] = dict(self.named)
         self._slot_ids: Dict[Tuple[str, str], Tensor] = {}
+        self._id_pool = torch.arange(0)  # 0, 1, 2, ...: slot ids are slices of it (never written)
         self._specs: Dict[str, Dict[str, Any]] = {}
         self.stack: List[str] = []
         self.leaf_depth = 0
@@ -83,7 +84,10 @@ class Tracer(OpRules):
                 self.tie(ids)
         ids = self._slot_ids.get(key)
         if ids is None:
-            ids = self._slot_ids[key] = torch.arange(info.start, info.start + info.spec.size)
+            end = info.start + info.spec.size
+            if end > self._id_pool.numel():  # one arange for many slots: a slot's ids are a view of it
+                self._id_pool = torch.arange(max(2 * self._id_pool.numel(), end, 4096))
+            ids = self._slot_ids[key] = self._id_pool[info.start : end]
         return ids
 
     def shadow(self, t: Any) -> Optional[Tensor]:
@@ -329,26 +333,30 @@ class Tracer(OpRules):
             self.leaf_depth = 0
 
         try:
-            # hooks and eval mode inside the try: an interrupt while installing them removes them too
-            for _, module in self.named:
-                hooks.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
-                hooks.append(module.register_forward_hook(self._post, with_kwargs=True))
-            if any(t for _, t in was_training):
-                self.model.eval()
-            torch.backends.mha.set_fastpath_enabled(False)
-            with torch.no_grad(), _Mode():
-                output = self.model(*args, **kwargs)
-        except TraceError:
+            try:
+                # hooks and eval mode inside the try: an interrupt while installing them removes them too
+                for _, module in self.named:
+                    hooks.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+                    hooks.append(module.register_forward_hook(self._post, with_kwargs=True))
+                if any(t for _, t in was_training):
+                    self.model.eval()
+                torch.backends.mha.set_fastpath_enabled(False)
+                with torch.no_grad(), _Mode():
+                    output = self.model(*args, **kwargs)
+            except TraceError:
+                raise
+            except Exception as exc:
+                failed = getattr(exc, "_prunekit_op", self.last_op)
+                raise TraceError(
+                    f"the model's forward pass failed while prunekit traced it, at op '{failed}' in module "
+                    f"'{self.where}': {type(exc).__name__}: {exc}. Check that example_inputs are what "
+                    "model(*example_inputs) accepts."
+                ) from exc
+            finally:
+                finish(cleanup)
+        except BaseException:
+            cleanup()  # an interrupt on the finally's first line: cleanup has not run
             raise
-        except Exception as exc:
-            failed = getattr(exc, "_prunekit_op", self.last_op)
-            raise TraceError(
-                f"the model's forward pass failed while prunekit traced it, at op '{failed}' in module "
-                f"'{self.where}': {type(exc).__name__}: {exc}. Check that example_inputs are what "
-                "model(*example_inputs) accepts."
-            ) from exc
-        finally:
-            finish(cleanup)
         for t in tensors_in(flatten_output(output)):
             s = self.shadow(t)
             if s is not None:

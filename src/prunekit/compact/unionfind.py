@@ -70,23 +70,22 @@ class UnionFind:
             self._rows = []
         if self._edges:
             edges = torch.cat(self._edges).to(torch.long)
-            edges = edges[(edges >= 0).all(dim=1) & (edges[:, 0] != edges[:, 1])]
             self._edges = [edges]
-            a, b = edges[:, 0], edges[:, 1]
-            while True:
-                pa, pb = parent[a], parent[b]
-                differ = pa != pb
-                if not bool(differ.any()):
-                    break
-                pa, pb = pa[differ], pb[differ]
-                lo = torch.minimum(pa, pb)
+            a, b = edges.unbind(1)
+            keep = (torch.minimum(a, b) >= 0) & (a != b)
+            a, b = a[keep], b[keep]
+            pa, pb = a, b  # parent is the identity before the first round
+            while a.numel():
                 # hook each root onto the smallest root it touches (roots only decrease: no cycles)
-                parent.scatter_reduce_(0, torch.maximum(pa, pb), lo, reduce="amin")
+                parent.scatter_reduce_(0, torch.maximum(pa, pb), torch.minimum(pa, pb), reduce="amin")
                 while True:  # pointer jumping until every id points at its root
                     nxt = parent[parent]
                     if torch.equal(nxt, parent):
                         break
                     parent = nxt
+                pa, pb = parent[a], parent[b]
+                differ = pa != pb  # edges whose ends are joined stay joined: only the others go on
+                a, b, pa, pb = a[differ], b[differ], pa[differ], pb[differ]
         self.blocked = {}
         if self._blocks:
             # all blocks at once: an id counts where it is >= 0 and its condition (if any) < 0
