@@ -9,6 +9,7 @@ its handler binds its inputs to its slots and labels its outputs. Every torch fu
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -66,7 +67,22 @@ class Tracer(OpRules):
     # ---- handler API
     @property
     def where(self) -> str:
-        return (self.stack[-1] or "<model>") if self.stack else "<model>"
+        """The module being traced: the leaf whose handler runs, else the innermost module of this
+        model whose code is running (found on the call stack only when a reason needs it)."""
+        if self.stack:
+            return self.stack[-1] or "<model>"
+        return self._module_of(sys._getframe(1))
+
+    def _module_of(self, frame: Any) -> str:
+        names = self.names
+        while frame is not None:
+            code = frame.f_code
+            if code.co_argcount and code.co_varnames[0] == "self":
+                obj = frame.f_locals.get("self")
+                if isinstance(obj, nn.Module) and id(obj) in names:
+                    return names[id(obj)] or "<model>"
+            frame = frame.f_back
+        return "<model>"
 
     def slot(self, module_name: str, slot_name: str) -> Tensor:
         """Element ids of one slot (allocated on first use)."""
@@ -259,24 +275,21 @@ class Tracer(OpRules):
         else:
             self.set_shadow(out, core.expand(out.shape))
 
-    # ---- hooks
+    # ---- hooks (on leaves only: ops between leaves find their module on the call stack, see where)
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        self.stack.append(self.names.get(id(module), "?"))
-        if id(module) in self._leaves:
-            self.leaf_depth += 1
+        self.leaf_depth += 1
 
     def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        name = self.stack.pop() if self.stack else "?"
-        if id(module) in self._leaves:
-            self.leaf_depth -= 1
-            if self.leaf_depth == 0:
-                self.order.append(name)
-                self.stack.append(name)
-                try:
-                    with torch._C.DisableTorchFunction():  # the handler's own tensor work is not traced
-                        self.handlers[name].trace(module, name, self, args, kwargs, output)
-                finally:
-                    self.stack.pop()
+        self.leaf_depth -= 1
+        if self.leaf_depth == 0:
+            name = self.names[id(module)]
+            self.order.append(name)
+            self.stack.append(name)
+            try:
+                with torch._C.DisableTorchFunction():  # the handler's own tensor work is not traced
+                    self.handlers[name].trace(module, name, self, args, kwargs, output)
+            finally:
+                self.stack.pop()
 
     # ---- run
     def run(self, example_inputs: Any, ignored: Sequence[str]) -> Any:
@@ -291,25 +304,29 @@ class Tracer(OpRules):
         tracer = self
         op_names: Dict[Any, str] = {}
 
+        def name_of(func: Any) -> str:
+            try:
+                return op_names[func]
+            except (KeyError, TypeError):  # first call of this function (or unhashable)
+                name = op_name(func)
+                try:
+                    op_names[func] = name
+                except TypeError:
+                    pass
+                return name
+
         class _Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
                 try:
-                    name = op_names[func]
-                except (KeyError, TypeError):  # first call of this function (or unhashable)
-                    name = op_name(func)
-                    try:
-                        op_names[func] = name
-                    except TypeError:
-                        pass
-                try:
                     out = func(*args, **kwargs)
                 except Exception as exc:
                     if not hasattr(exc, "_prunekit_op"):
-                        exc._prunekit_op = name  # the innermost failing op names the error
+                        exc._prunekit_op = name_of(func)  # the innermost failing op names the error
                     raise
-                tracer.last_op = name
-                if tracer.leaf_depth == 0:
+                if tracer.leaf_depth == 0:  # inside a leaf its handler speaks for the ops
+                    name = name_of(func)
+                    tracer.last_op = name
                     tracer.on_op(func, args, kwargs, out, name)
                 return out
 
@@ -335,7 +352,8 @@ class Tracer(OpRules):
         try:
             try:
                 # hooks and eval mode inside the try: an interrupt while installing them removes them too
-                for _, module in self.named:
+                for name in self.handlers:
+                    module = self.by_name[name]
                     hooks.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
                     hooks.append(module.register_forward_hook(self._post, with_kwargs=True))
                 if any(t for _, t in was_training):
@@ -347,9 +365,13 @@ class Tracer(OpRules):
                 raise
             except Exception as exc:
                 failed = getattr(exc, "_prunekit_op", self.last_op)
+                tb = exc.__traceback__
+                while tb is not None and tb.tb_next is not None:
+                    tb = tb.tb_next  # the innermost frame: where the forward pass failed
+                where = self.stack[-1] if self.stack else self._module_of(tb.tb_frame if tb else None)
                 raise TraceError(
                     f"the model's forward pass failed while prunekit traced it, at op '{failed}' in module "
-                    f"'{self.where}': {type(exc).__name__}: {exc}. Check that example_inputs are what "
+                    f"'{where}': {type(exc).__name__}: {exc}. Check that example_inputs are what "
                     "model(*example_inputs) accepts."
                 ) from exc
             finally:
