@@ -500,6 +500,29 @@ class Pruner:
     def on_after_eval(self) -> None:
         """After evaluation (nothing to do by default)."""
 
+    #: the per-step callbacks whose base versions :meth:`idle_at` speaks for
+    _STEP_CALLBACKS = ("on_step_begin", "on_before_optimizer_step", "on_after_optimizer_step", "on_step_end")
+
+    def idle_at(self, step: int) -> bool:
+        """True when the per-step callbacks have nothing to do at ``step`` but count it: not an
+        update step, no scores to take, no optimizer state due (and the callbacks are the base
+        class's: a subclass that overrides one is never idle). The optimizer hooks then skip
+        the callbacks and only advance the step counters.
+
+        Example:
+            >>> import torch
+            >>> from prunekit.training import get_pruner
+            >>> p = get_pruner({"0": torch.nn.Linear(4, 4)}, {"prune_type": "magnitude", "pattern": "1x1",
+            ...                 "target_sparsity": 0.5, "start_step": 0, "end_step": 4, "update_frequency_on_step": 2})
+            >>> [p.idle_at(s) for s in range(6)]
+            [False, True, False, True, False, True]
+        """
+        cls = type(self)
+        if not all(getattr(cls, c) is getattr(Pruner, c) for c in self._STEP_CALLBACKS):
+            return False
+        return not (self.check_is_pruned_step(step) or self._needs_scores_now(step) or self._state_pending
+                    or (self._state_due is not None and step >= self._state_due))
+
     # ------------------------------------------------------------------ work
     def check_is_pruned_step(self, step: int) -> bool:
         """True when the masks are updated at ``step``."""
