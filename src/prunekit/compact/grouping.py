@@ -35,8 +35,9 @@ def collect(tracer: Tracer, ignored: Tuple[str, ...]) -> DependencyGraph:
     slot_no = torch.repeat_interleave(torch.arange(len(keys)), sizes)
     index = ids - torch.repeat_interleave(starts, sizes)  # position inside its slot
     r = roots[ids]
-    # sort by (root, slot, index): consecutive runs are one unit's members
-    order = torch.argsort((r * len(keys) + slot_no) * (int(sizes.max()) + 1) + index)
+    # sort by (root, slot, index): consecutive runs are one unit's members. ``ids`` is in (slot,
+    # index) order already, so a stable sort by root alone gives it (2-3x cheaper than sorting keys)
+    order = torch.argsort(r, stable=True)
     r, slot_no, index = r[order], slot_no[order], index[order]
     # runs of equal (root, slot): one member tensor each
     run_key = r * len(keys) + slot_no

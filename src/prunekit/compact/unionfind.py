@@ -63,17 +63,18 @@ class UnionFind:
         if self.roots is not None:
             return self.roots
         parent = torch.arange(self.n, dtype=torch.long)
-        if self._rows:  # one stack for every union_rows() call
+        if self._rows:  # as (k, 2) edges, for the next solve() (once)
             self._edges.append(
                 torch.stack([torch.cat([a for a, _ in self._rows]), torch.cat([b for _, b in self._rows])], dim=1)
             )
             self._rows = []
         if self._edges:
-            edges = torch.cat(self._edges).to(torch.long)
+            edges = torch.cat(self._edges).to(torch.long) if len(self._edges) > 1 else self._edges[0].to(torch.long)
             self._edges = [edges]
             a, b = edges.unbind(1)
-            keep = (torch.minimum(a, b) >= 0) & (a != b)
-            a, b = a[keep], b[keep]
+            if bool((torch.minimum(a, b) < 0).any()):  # rows with a negative id are dropped
+                keep = (torch.minimum(a, b) >= 0) & (a != b)
+                a, b = a[keep], b[keep]
             pa, pb = a, b  # parent is the identity before the first round
             while a.numel():
                 # hook each root onto the smallest root it touches (roots only decrease: no cycles)
