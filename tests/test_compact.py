@@ -266,6 +266,29 @@ def test_unknown_op_blocks_and_names_op_and_module():
     assert not g.prunable_groups()
 
 
+class _Outer(nn.Module):
+    """An unknown op two modules deep, one of them called through a helper function."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([_Einsum()])
+
+    def forward(self, x):
+        return _call(self.blocks[0], self.stem(x))
+
+
+def _call(module, x):
+    return module(x)
+
+
+def test_unknown_op_is_named_by_the_innermost_module_running_it():
+    # hooks sit on handled modules only: the module of an op between them is found on the call stack
+    g = build_dependency_graph(_Outer(), torch.randn(2, 8))
+    reasons = [gr.blocked for gr in g.groups if gr.blocked and "einsum" in gr.blocked]
+    assert reasons and all("in module 'blocks.0'" in r for r in reasons)
+
+
 class _Broken(nn.Module):
     def __init__(self):
         super().__init__()
