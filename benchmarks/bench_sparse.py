@@ -88,25 +88,6 @@ def interleaved_medians(fns: Dict[str, Callable[[], object]], reps: int, warmup:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def own_rotations(dense: Callable[[], object], fns: Dict[str, Callable[[], object]], device: torch.device,
-                  reps: int) -> "tuple[float, Dict[str, float]]":
-    """Each kernel in a rotation of its own -- dense, kernel, dense, kernel, ... -- as inside a model of
-    dense layers; its median is put on the first rotation's dense figure (ratios to its own dense).
-
-    Measured in one shared rotation, the kernels slowed one another: after MKL's calls (their
-    per-call index widening, the thread-count switch of its 1-thread variant) the next kernel
-    took 10-25% longer, a dense call in between notwithstanding. No other kernel runs between the
-    layers of a model, so none runs between a kernel's calls here.
-    """
-    dense_s: Optional[float] = None
-    out: Dict[str, float] = {}
-    for name, fn in fns.items():
-        d, t = policies.measure_in_context(dense, {name: fn}, device, 0.0, reps, reps)
-        dense_s = d if dense_s is None else dense_s
-        out[name] = t[name] * dense_s / d
-    return dense_s or 0.0, out
-
-
 def back_to_back(fn: Callable[[], object], reps: int) -> float:
     """Median seconds of ``fn`` run ``reps`` times in a row (the raw kernel: nothing in between)."""
     fn()
@@ -234,8 +215,8 @@ def bench_linear(args: argparse.Namespace, show_all: bool) -> None:
                 if show_all:
                     for name, m in modules.items():
                         torch.testing.assert_close(m(x), expected, atol=1e-4, rtol=1e-4)
-                    dense_s, times = own_rotations(lambda: layer(x), {n: (lambda m=m: m(x)) for n, m in modules.items()},
-                                                   x.device, reps)
+                    dense_s, times = policies.measure_in_context(lambda: layer(x), {
+                        n: (lambda m=m: m(x)) for n, m in modules.items()}, x.device, 0.0, reps, reps)
                     figures = "  ".join(f"{n} {dense_s / t:.2f}x" for n, t in sorted(times.items(), key=lambda kv: kv[1]))
                     print(f"   {pattern} {sparsity:.0%} batch {batch:>2}: dense {dense_s * 1e3:.3f} ms | {figures}"
                           f"  ({load_note()}){loaded_mark()}")
@@ -247,8 +228,9 @@ def bench_linear(args: argparse.Namespace, show_all: bool) -> None:
                 policy = report["0"].policy if report["0"].converted else "dense"
                 torch.testing.assert_close(chosen(x), expected, atol=1e-4, rtol=1e-4)
                 mkl = {n: m for n, m in all_policy_modules(layer).items() if n in ("csr-torch", "csr-torch-1t")}
-                dense_s, times = own_rotations(lambda: layer(x), {
-                    "chosen": lambda: chosen(x), **{n: (lambda m=m: m(x)) for n, m in mkl.items()}}, x.device, reps)
+                dense_s, times = policies.measure_in_context(lambda: layer(x), {
+                    "chosen": lambda: chosen(x), **{n: (lambda m=m: m(x)) for n, m in mkl.items()}}, x.device, 0.0,
+                    reps, reps)
                 raw_dense = back_to_back(lambda: layer(x), reps)
                 raw = back_to_back(lambda: chosen(x), reps)
             speedup = dense_s / times["chosen"]

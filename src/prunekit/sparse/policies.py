@@ -164,10 +164,16 @@ def measure_in_context(dense: Callable[[], Any], fns: Dict[str, Callable[[], Any
                        budget_s: float, min_rounds: int = 5, max_rounds: int = 50) -> Tuple[float, Dict[str, float]]:
     """Median seconds of the dense call and of each candidate, every candidate call right after a dense call.
 
-    Rounds go through all candidates in turn (dense, a, dense, b, ...) until
-    ``budget_s`` is spent, at least ``min_rounds`` and at most ``max_rounds``
-    times, so a change in machine load hits every candidate alike; the dense
-    figure is the median over all its calls.
+    Each candidate has a rotation of its own -- dense, candidate, dense, candidate, ... -- as
+    between the dense layers of a model: at least ``min_rounds`` and at most ``max_rounds``
+    pairs, until its share of ``budget_s`` is spent (the first pair, right after the previous
+    candidate, is a warm-up). Measured in one shared rotation (dense, a, dense, b, ...) the
+    candidates slowed one another: after torch's MKL kernel, which widens its indices on every
+    call, and its one-thread variant, which switches the thread count, the next candidate ran
+    10-25% slower although a dense call ran in between. A candidate's figure is its median put
+    on the dense figure of all rotations (times the ratio of the overall dense median to its own
+    rotation's), so a change of machine load between rotations cancels out; the dense figure
+    is the median over all dense calls.
 
     Example:
         >>> import torch
@@ -181,12 +187,15 @@ def measure_in_context(dense: Callable[[], Any], fns: Dict[str, Callable[[], Any
     for fn in fns.values():
         fn()
     _sync(device)
-    dense_times: List[float] = []
-    times: Dict[str, List[float]] = {name: [] for name in fns}
-    start = time.perf_counter()
-    rounds = 0
-    while rounds < max_rounds and (rounds < min_rounds or time.perf_counter() - start < budget_s):
-        for name, fn in fns.items():
+    dense_all: List[float] = []
+    own: Dict[str, Tuple[float, float]] = {}
+    share = budget_s / max(len(fns), 1)
+    for name, fn in fns.items():
+        dense_times: List[float] = []
+        times: List[float] = []
+        start = time.perf_counter()
+        pair = 0
+        while len(times) < max_rounds and (len(times) < min_rounds or time.perf_counter() - start < share):
             t0 = time.perf_counter()
             dense()
             _sync(device)
@@ -194,7 +203,11 @@ def measure_in_context(dense: Callable[[], Any], fns: Dict[str, Callable[[], Any
             fn()
             _sync(device)
             t2 = time.perf_counter()
-            dense_times.append(t1 - t0)
-            times[name].append(t2 - t1)
-        rounds += 1
-    return statistics.median(dense_times), {name: statistics.median(v) for name, v in times.items()}
+            if pair:  # the first pair after another candidate warms up
+                dense_times.append(t1 - t0)
+                times.append(t2 - t1)
+            pair += 1
+        dense_all += dense_times
+        own[name] = (statistics.median(dense_times), statistics.median(times))
+    ref = statistics.median(dense_all) if dense_all else 0.0
+    return ref, {name: t * ref / d if d > 0 else t for name, (d, t) in own.items()}
