@@ -28,7 +28,7 @@ from .handlers import ModuleHandler
 from .graph import DependencyGraph, Group, build_dependency_graph, check_graph, traced_dependency_graph
 from .hf_config import updated_config
 from .inputs import flatten_output, split_inputs
-from .journal import Journal, atomic, finish
+from .journal import Journal, atomic, run_then_clean
 from .modules import REPLACEMENTS
 from .ops import tensors_in
 from .surgery import replace_tensor, set_attr, shrink_module
@@ -360,16 +360,12 @@ def _outputs(model: nn.Module, example_inputs: Any) -> List[Tensor]:
         for m, t in was:
             m.training = t
 
-    try:
-        try:
-            model.eval()
-            with torch.no_grad():
-                out = model(*args, **kwargs)
-        finally:
-            finish(restore)
-    except BaseException:
-        restore()  # an interrupt on the finally's first line: restore has not run
-        raise
+    def run() -> Any:
+        model.eval()
+        with torch.no_grad():
+            return model(*args, **kwargs)
+
+    out = run_then_clean(run, restore)
     return [t.detach() for t in tensors_in(flatten_output(out))]
 
 

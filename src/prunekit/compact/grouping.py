@@ -100,11 +100,10 @@ def collect(tracer: Tracer, ignored: Tuple[str, ...]) -> DependencyGraph:
     run_perm = torch.repeat_interleave(first_run[unit_order] - (torch.cumsum(runs_sorted, 0) - runs_sorted), runs_sorted)
     run_perm += torch.arange(run_perm.numel())
     # every run's indices in one flat tensor, in that order (groups build their units on demand)
+    lens = run_len_t[run_perm]
     if run_len_t.numel() == index.numel():  # every run is one id: runs and ids coincide
-        runs = _Runs(index[run_perm], run_perm, run_len_t[run_perm], ones=True)
-        runs.off = torch.arange(run_perm.numel())
+        runs = _Runs(index[run_perm], torch.arange(run_perm.numel()), lens, ones=True)
     else:
-        lens = run_len_t[run_perm]
         before = torch.cumsum(lens, 0) - lens
         flat = index[torch.arange(index.numel()) - torch.repeat_interleave(before - starts_at[run_perm], lens)]
         runs = _Runs(flat, before, lens, ones=False)

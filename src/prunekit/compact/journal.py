@@ -13,12 +13,14 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple, TypeVar
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Journal", "atomic", "finish"]
+__all__ = ["Journal", "atomic", "finish", "run_then_clean"]
+
+_T = TypeVar("_T")
 
 
 class _ModuleState:
@@ -170,22 +172,36 @@ def _deferred_interrupt() -> Iterator[None]:
 
 def finish(cleanup: Any) -> None:
     """Run an idempotent ``cleanup`` (remove hooks, restore modes) to the end: if an exception --
-    ``KeyboardInterrupt`` included -- cuts it short, run it once more, then re-raise.
-
-    An interrupt can also land on the line that calls ``finish`` (the first line of a
-    ``finally``) or on this function's first line, before ``cleanup`` starts; so call it as::
-
-        try:
-            try:
-                ...                  # install hooks, run the model
-            finally:
-                finish(cleanup)
-        except BaseException:
-            cleanup()                # the finally was cut before cleanup ran
-            raise
-    """
+    ``KeyboardInterrupt`` included -- cuts it short, run it once more, then re-raise."""
     try:
         cleanup()
+    except BaseException:
+        cleanup()
+        raise
+
+
+def run_then_clean(body: Callable[[], _T], cleanup: Callable[[], None]) -> _T:
+    """``body()``, with an idempotent ``cleanup`` run to the end however the body ends.
+
+    Install what ``cleanup`` undoes (hooks, eval mode) inside ``body``. A single interrupt
+    anywhere is survived: inside the body or the cleanup (see :func:`finish`), and also on the
+    call into :func:`finish` -- the first line of the ``finally``, before the cleanup starts --
+    which the outer handler catches and cleans up after.
+
+    Example:
+        >>> import torch
+        >>> lin, handles = torch.nn.Linear(2, 2), []
+        >>> def body():
+        ...     handles.append(lin.register_forward_pre_hook(lambda m, a: None))
+        ...     return len(lin._forward_pre_hooks)
+        >>> run_then_clean(body, lambda: [h.remove() for h in handles]), len(lin._forward_pre_hooks)
+        (1, 0)
+    """
+    try:
+        try:
+            return body()
+        finally:
+            finish(cleanup)
     except BaseException:
         cleanup()
         raise

@@ -35,7 +35,7 @@ from . import weights
 from .graph import build_dependency_graph, check_graph
 from .importance import group_importance
 from .inputs import split_inputs
-from .journal import atomic, finish
+from .journal import atomic, run_then_clean
 from .prune import GroupDecision, keep_count, write_masks
 from .results import DependencyGraph, Group
 
@@ -128,25 +128,21 @@ def _gather(model: nn.Module, batches: Sequence[Any], readers: List[_Reader], to
         for m, t in was:
             m.training = t
 
-    try:
-        try:
-            for r in readers:
-                handles.append(r.module.register_forward_pre_hook(hook))
-            model.eval()
-            with torch.no_grad():
-                for batch, mask in zip(batches, token_masks):
-                    seen.clear()
-                    current[0] = mask
-                    args, kwargs = split_inputs(batch)
-                    try:
-                        model(*args, **kwargs)
-                    except _Stop:
-                        pass
-        finally:
-            finish(cleanup)
-    except BaseException:
-        cleanup()  # an interrupt on the finally's first line: cleanup has not run
-        raise
+    def run() -> None:
+        for r in readers:
+            handles.append(r.module.register_forward_pre_hook(hook))
+        model.eval()
+        with torch.no_grad():
+            for batch, mask in zip(batches, token_masks):
+                seen.clear()
+                current[0] = mask
+                args, kwargs = split_inputs(batch)
+                try:
+                    model(*args, **kwargs)
+                except _Stop:
+                    pass
+
+    run_then_clean(run, cleanup)
     return readers[0].stats.count  # rows (tokens) the statistics saw, padding left out
 
 

@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 from . import shadows as lbl
 from .consts import ConstMap, from_slot, lookup
 from .errors import TraceError
-from .journal import finish
+from .journal import run_then_clean
 from .inputs import flatten_output, split_inputs
 from .ops import op_name, tensors_in
 from .results import SlotInfo
@@ -349,9 +349,9 @@ class Tracer(OpRules):
             self.stack.clear()
             self.leaf_depth = 0
 
-        try:
+        def traced() -> Any:
             try:
-                # hooks and eval mode inside the try: an interrupt while installing them removes them too
+                # hooks and eval mode inside the body: an interrupt while installing them removes them too
                 for name in self.handlers:
                     module = self.by_name[name]
                     hooks.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
@@ -360,7 +360,7 @@ class Tracer(OpRules):
                     self.model.eval()
                 torch.backends.mha.set_fastpath_enabled(False)
                 with torch.no_grad(), _Mode():
-                    output = self.model(*args, **kwargs)
+                    return self.model(*args, **kwargs)
             except TraceError:
                 raise
             except Exception as exc:
@@ -374,11 +374,8 @@ class Tracer(OpRules):
                     f"'{where}': {type(exc).__name__}: {exc}. Check that example_inputs are what "
                     "model(*example_inputs) accepts."
                 ) from exc
-            finally:
-                finish(cleanup)
-        except BaseException:
-            cleanup()  # an interrupt on the finally's first line: cleanup has not run
-            raise
+
+        output = run_then_clean(traced, cleanup)
         for t in tensors_in(flatten_output(output)):
             s = self.shadow(t)
             if s is not None:

@@ -63,7 +63,7 @@ class UnionFind:
         if self.roots is not None:
             return self.roots
         parent = torch.arange(self.n, dtype=torch.long)
-        if self._rows:  # as (k, 2) edges, for the next solve() (once)
+        if self._rows:  # the union_rows() pairs as (k, 2) edges, kept for a later solve()
             self._edges.append(
                 torch.stack([torch.cat([a for a, _ in self._rows]), torch.cat([b for _, b in self._rows])], dim=1)
             )
@@ -72,8 +72,9 @@ class UnionFind:
             edges = torch.cat(self._edges).to(torch.long) if len(self._edges) > 1 else self._edges[0].to(torch.long)
             self._edges = [edges]
             a, b = edges.unbind(1)
-            if bool((torch.minimum(a, b) < 0).any()):  # rows with a negative id are dropped
-                keep = (torch.minimum(a, b) >= 0) & (a != b)
+            lo = torch.minimum(a, b)
+            if bool((lo < 0).any()):  # rows with a negative id are dropped
+                keep = (lo >= 0) & (a != b)
                 a, b = a[keep], b[keep]
             pa, pb = a, b  # parent is the identity before the first round
             while a.numel():
