@@ -192,6 +192,8 @@ class OpRules:
             else:
                 self.set_shadow(out, entry[1], core=entry[2], labeled=True)
             return
+        if len(tensors) == 2 and self._same_labels_add(tensors[0], tensors[1], shape, out):
+            return
         operands = [self._operand(a, shape) for a in list(args) + list(kwargs.values())]
         operands = [(s, sh) for s, sh in operands if s is not None]
         # stored shadows always hold an id >= 0; tensors without one got the all -1 lbl.fixed()
@@ -223,6 +225,25 @@ class OpRules:
             if bool(one_sided.any()):
                 self.block(base[one_sided], f"op '{name}' in module '{self.where}' adds channels to fixed values")
         self.set_shadow(out, base.expand(shape))
+
+    def _same_labels_add(self, a: Tensor, b: Tensor, shape: torch.Size, out: Tensor) -> bool:
+        """The residual add: two labeled operands of the output's shape whose labels vary along
+        the same dims and are all ids. Their cores are joined and ``out`` takes ``a``'s labels,
+        as the general rule would give, on the small cores only. False when this does not apply."""
+        if a.shape != shape or b.shape != shape:
+            return False
+        ea, eb = self.entry_of(a), self.entry_of(b)
+        if ea is None or eb is None or ea[2].shape != eb[2].shape or ea[2].numel() == 0:
+            return False
+        ca, cb = ea[2], eb[2]
+        if ca is not cb:
+            if int(torch.minimum(ca, cb).min()) < 0:
+                return False  # some positions hold no id: the general rule decides
+            self.union(ca, cb)
+        elif int(ca.min()) < 0:
+            return False
+        self.set_shadow(out, ea[1], core=ca, labeled=True)
+        return True
 
     def _shape(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if not isinstance(out, Tensor):
