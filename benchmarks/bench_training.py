@@ -16,7 +16,7 @@ same loop on the unpruned one, with SGD-momentum and with Adam, interleaved:
 the bare reparameterization (prunekit and torch.nn.utils.prune) and a model
 wired to a pruner past its end_step.
 
-Run: python benchmarks/bench_training.py [--quick] [--overhead]
+Run: python benchmarks/bench_training.py [--quick] [--overhead [--repeats N]]
 """
 
 import argparse
@@ -81,8 +81,13 @@ def finetune(model, opt, batches, pruning=None):
     return times
 
 
-def overhead(quick: bool) -> None:
-    """Median step time of pruned variants against the unpruned model, runs interleaved."""
+def overhead(quick: bool, repeats: int) -> None:
+    """Median step time of pruned variants against the unpruned model, runs interleaved.
+
+    The whole measurement is repeated ``repeats`` times with fresh models (each repeat
+    prints its ratios); the last lines give every cell's median over the repeats, so one
+    unlucky repeat (a noisy neighbour, an unlucky memory layout) does not make the figure.
+    """
     x, y, _, _ = data()
     batches = steps(x, y, 40 if quick else 300, seed=3)
     layers = (2, 5, 7)  # the second conv and both linears, half of each pruned
@@ -104,19 +109,29 @@ def overhead(quick: bool) -> None:
     kinds = ["unpruned", "prunekit", "torch.nn.utils.prune", "pruner, after end_step"]
     optimizers = {"SGD-momentum": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
                   "Adam": lambda p: torch.optim.Adam(p, lr=1e-3)}
-    print(f"per-step time against the unpruned model ({len(batches)} steps each, interleaved, medians); "
-          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"per-step time against the unpruned model ({len(batches)} steps each, interleaved, medians; "
+          f"{repeats} repeat(s) with fresh models); load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"{'optimizer':<14}" + "".join(f"{k:>24}" for k in kinds))
-    for opt_name, make_opt in optimizers.items():
-        models = {k: variant(k, make_opt) for k in kinds}
-        for k in kinds:  # warm-up (and the pruner's mask updates) outside the timing
-            finetune(*models[k], batches[:10])
-        times = {k: [] for k in kinds}
-        for i in range(0, len(batches), 10):
+    ratios = {name: {k: [] for k in kinds} for name in optimizers}
+    for rep in range(repeats):
+        for opt_name, make_opt in optimizers.items():
+            models = {k: variant(k, make_opt) for k in kinds}
+            for k in kinds:  # warm-up (and the pruner's mask updates) outside the timing
+                finetune(*models[k], batches[:10])
+            times = {k: [] for k in kinds}
+            for i in range(0, len(batches), 10):
+                for k in kinds:
+                    times[k] += finetune(*models[k], batches[i:i + 10])
+            base = statistics.median(times["unpruned"])
             for k in kinds:
-                times[k] += finetune(*models[k], batches[i:i + 10])
-        base = statistics.median(times["unpruned"])
-        print(f"{opt_name:<14}" + "".join(f"{statistics.median(times[k]) / base:>23.3f}x" for k in kinds))
+                ratios[opt_name][k].append(statistics.median(times[k]) / base)
+            label = f"{opt_name} #{rep + 1}" if repeats > 1 else opt_name
+            print(f"{label:<14}" + "".join(f"{ratios[opt_name][k][-1]:>23.3f}x" for k in kinds))
+    if repeats > 1:
+        print(f"median of the {repeats} repeats (range):")
+        for opt_name in optimizers:
+            cells = [f"{statistics.median(v):.3f}x ({min(v):.3f}-{max(v):.3f})" for v in ratios[opt_name].values()]
+            print(f"{opt_name:<14}" + "".join(f"{c:>24}" for c in cells))
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
@@ -124,10 +139,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
     ap.add_argument("--overhead", action="store_true", help="only the per-step overhead of pruned models")
+    ap.add_argument("--repeats", type=int, default=5, help="--overhead: repeats with fresh models (medians over them)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.overhead:
-        overhead(args.quick)
+        overhead(args.quick, max(1, args.repeats))
         return
     x, y, xt, yt = data()
     dense_steps, ft_steps = (300, 200) if args.quick else (900, 900)
