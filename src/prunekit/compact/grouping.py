@@ -34,18 +34,18 @@ def collect(tracer: Tracer, ignored: Tuple[str, ...]) -> DependencyGraph:
         ids = torch.cat([torch.arange(i.start, i.start + i.spec.size) for i in infos])
     slot_no = torch.repeat_interleave(torch.arange(len(keys)), sizes)
     index = ids - torch.repeat_interleave(starts, sizes)  # position inside its slot
-    r = roots[ids]
+    r = roots.index_select(0, ids)
     # sort by (root, slot, index): consecutive runs are one unit's members. ``ids`` is in (slot,
     # index) order already, so a stable sort by root alone gives it (2-3x cheaper than sorting keys)
-    order = torch.argsort(r, stable=True)
-    r, slot_no, index = r[order], slot_no[order], index[order]
+    order = torch.argsort(r.to(torch.int32) if uf.n < 2**31 else r, stable=True)  # int32 sorts faster
+    r, slot_no, index = r.index_select(0, order), slot_no.index_select(0, order), index.index_select(0, order)
     # runs of equal (root, slot): one member tensor each
     run_key = r * len(keys) + slot_no
     run_start = torch.ones_like(run_key, dtype=torch.bool)
     run_start[1:] = run_key[1:] != run_key[:-1]
     starts_at = run_start.nonzero().view(-1)
     run_len_t = torch.diff(torch.cat([starts_at, torch.tensor([run_key.numel()])]))
-    run_root = r[starts_at]
+    run_root = r.index_select(0, starts_at)
     # runs of equal root: one unit each
     unit_start = torch.ones_like(run_root, dtype=torch.bool)
     unit_start[1:] = run_root[1:] != run_root[:-1]
@@ -55,26 +55,27 @@ def collect(tracer: Tracer, ignored: Tuple[str, ...]) -> DependencyGraph:
     # A unit's signature: its set of slots and its blocked reason. Units are grouped by a
     # random 63-bit hash of the slot set, then every group is checked exactly (no reliance
     # on the hash being collision-free).
-    run_slot_t = slot_no[starts_at]
+    run_slot_t = slot_no.index_select(0, starts_at)
     weights = torch.randint(1, 2**62, (len(keys),), generator=torch.Generator().manual_seed(0))
-    h = torch.zeros(n_units, dtype=torch.long).index_add_(0, unit_of_run, weights[run_slot_t])
+    h = torch.zeros(n_units, dtype=torch.long).index_add_(0, unit_of_run, weights.index_select(0, run_slot_t))
     reasons = list(dict.fromkeys(uf.blocked.values()))
     reason_of_root = torch.full((uf.n,), -1, dtype=torch.long)
     if uf.blocked:
         reason_no = {r: i for i, r in enumerate(reasons)}
         reason_of_root[torch.tensor(list(uf.blocked))] = torch.tensor([reason_no[r] for r in uf.blocked.values()])
-    unit_root_t = run_root[first_run]
+    unit_root_t = run_root.index_select(0, first_run)
     _, h_id = torch.unique(h, return_inverse=True)
-    _, sig_of_unit = torch.unique(h_id * (len(reasons) + 1) + reason_of_root[unit_root_t] + 1, return_inverse=True)
+    _, sig_of_unit = torch.unique(h_id * (len(reasons) + 1) + reason_of_root.index_select(0, unit_root_t) + 1, return_inverse=True)
     # exact check: same run count and the same slot sequence as the group's first unit
     n_runs = torch.diff(torch.cat([first_run, torch.tensor([run_root.numel()])]))
     first_of_sig = torch.full((int(sig_of_unit.max()) + 1,), n_units, dtype=torch.long)
     first_of_sig.scatter_reduce_(0, sig_of_unit, torch.arange(n_units), reduce="amin")
-    ref = first_of_sig[sig_of_unit]  # per unit: the first unit of its group
-    exact = bool((n_runs == n_runs[ref]).all())
+    ref = first_of_sig.index_select(0, sig_of_unit)  # per unit: the first unit of its group
+    exact = bool((n_runs == n_runs.index_select(0, ref)).all())
     if exact:
-        pos = torch.arange(run_slot_t.numel()) - first_run[unit_of_run]
-        exact = bool((run_slot_t == run_slot_t[first_run[ref[unit_of_run]] + pos]).all())
+        # each run's counterpart in its group's first unit: the same position, counted from that unit's first run
+        shift = (first_run.index_select(0, ref) - first_run).index_select(0, unit_of_run)
+        exact = bool((run_slot_t == run_slot_t.index_select(0, torch.arange(run_slot_t.numel()) + shift)).all())
     if not exact:  # a hash collision: signatures as tuples instead
         run_slot = run_slot_t.tolist()
         sig_keys: Dict[Tuple[Any, ...], int] = {}
@@ -91,27 +92,27 @@ def collect(tracer: Tracer, ignored: Tuple[str, ...]) -> DependencyGraph:
     sig_order = torch.argsort(first_of_sig)
     rank = torch.empty_like(sig_order)
     rank[sig_order] = torch.arange(n_sig)
-    unit_rank = rank[sig_of_unit]
+    unit_rank = rank.index_select(0, sig_of_unit)
     unit_order = torch.argsort(unit_rank, stable=True)
     per_group = torch.bincount(unit_rank, minlength=n_sig).tolist()
     # the runs in group order (units of a group in order, a unit's runs in slot order), so
     # each group's members are one contiguous stretch of runs
-    runs_sorted = n_runs[unit_order]
-    run_perm = torch.repeat_interleave(first_run[unit_order] - (torch.cumsum(runs_sorted, 0) - runs_sorted), runs_sorted)
+    runs_sorted = n_runs.index_select(0, unit_order)
+    run_perm = torch.repeat_interleave(first_run.index_select(0, unit_order) - (torch.cumsum(runs_sorted, 0) - runs_sorted), runs_sorted)
     run_perm += torch.arange(run_perm.numel())
     # every run's indices in one flat tensor, in that order (groups build their units on demand)
-    lens = run_len_t[run_perm]
+    lens = run_len_t.index_select(0, run_perm)
     if run_len_t.numel() == index.numel():  # every run is one id: runs and ids coincide
-        runs = _Runs(index[run_perm], torch.arange(run_perm.numel()), lens, ones=True)
+        runs = _Runs(index.index_select(0, run_perm), torch.arange(run_perm.numel()), lens, ones=True)
     else:
         before = torch.cumsum(lens, 0) - lens
-        flat = index[torch.arange(index.numel()) - torch.repeat_interleave(before - starts_at[run_perm], lens)]
+        flat = index.index_select(0, torch.arange(index.numel()) - torch.repeat_interleave(before - starts_at.index_select(0, run_perm), lens))
         runs = _Runs(flat, before, lens, ones=False)
     run_slot = run_slot_t.tolist()
-    first_units = first_of_sig[sig_order]
-    unit_roots = unit_root_t[first_units].tolist()
-    lo_of_first = first_run[first_units].tolist()
-    runs_of_first = n_runs[first_units].tolist()
+    first_units = first_of_sig.index_select(0, sig_order)
+    unit_roots = unit_root_t.index_select(0, first_units).tolist()
+    lo_of_first = first_run.index_select(0, first_units).tolist()
+    runs_of_first = n_runs.index_select(0, first_units).tolist()
     groups: List[Group] = []
     pos = 0
     for gi, count in enumerate(per_group):

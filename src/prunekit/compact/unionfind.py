@@ -9,8 +9,6 @@ from torch import Tensor
 
 __all__ = ["UnionFind"]
 
-_NEG_ONE = torch.full((1,), -1, dtype=torch.long)
-
 
 class UnionFind:
     """Channel ids joined into components; a component may carry a "blocked" reason.
@@ -74,34 +72,43 @@ class UnionFind:
             a, b = edges.unbind(1)
             lo = torch.minimum(a, b)
             if bool((lo < 0).any()):  # rows with a negative id are dropped
-                keep = (lo >= 0) & (a != b)
-                a, b = a[keep], b[keep]
+                keep = ((lo >= 0) & (a != b)).nonzero().view(-1)
+                a, b = a.index_select(0, keep), b.index_select(0, keep)
             pa, pb = a, b  # parent is the identity before the first round
             while a.numel():
                 # hook each root onto the smallest root it touches (roots only decrease: no cycles)
                 parent.scatter_reduce_(0, torch.maximum(pa, pb), torch.minimum(pa, pb), reduce="amin")
                 while True:  # pointer jumping until every id points at its root
-                    nxt = parent[parent]
+                    nxt = parent.index_select(0, parent)
                     if torch.equal(nxt, parent):
                         break
                     parent = nxt
-                pa, pb = parent[a], parent[b]
-                differ = pa != pb  # edges whose ends are joined stay joined: only the others go on
-                a, b, pa, pb = a[differ], b[differ], pa[differ], pb[differ]
+                pa, pb = parent.index_select(0, a), parent.index_select(0, b)
+                # edges whose ends are joined stay joined: only the others go on
+                differ = (pa != pb).nonzero().view(-1)
+                a, b, pa, pb = (t.index_select(0, differ) for t in (a, b, pa, pb))
         self.blocked = {}
         if self._blocks:
-            # all blocks at once: an id counts where it is >= 0 and its condition (if any) < 0
-            ids = torch.cat([i for i, _, _ in self._blocks]).to(torch.long)
-            conds = torch.cat([_NEG_ONE.expand(i.numel()) if c is None else c.reshape(-1) for i, _, c in self._blocks])
-            order = torch.repeat_interleave(
-                torch.arange(len(self._blocks)), torch.tensor([i.numel() for i, _, _ in self._blocks])
-            )
-            keep = (ids >= 0) & (conds < 0)
-            ids, order = ids[keep], order[keep]
+            # all blocks at once: an id counts where it is >= 0 and its condition (if any) < 0.
+            # Blocks with and without a condition are gathered apart (no condition is spelled out).
+            ids_parts, order_parts = [], []
+            for conditioned in (False, True):
+                at = [k for k, (_, _, c) in enumerate(self._blocks) if (c is not None) == conditioned]
+                if not at:
+                    continue
+                ids = torch.cat([self._blocks[k][0] for k in at]).to(torch.long)
+                keep = ids >= 0
+                if conditioned:
+                    keep &= torch.cat([self._blocks[k][2].reshape(-1) for k in at]) < 0  # type: ignore[union-attr]
+                order = torch.repeat_interleave(torch.tensor(at), torch.tensor([self._blocks[k][0].numel() for k in at]))
+                sel = keep.nonzero().view(-1)
+                ids_parts.append(ids.index_select(0, sel))
+                order_parts.append(order.index_select(0, sel))
+            ids, order = torch.cat(ids_parts), torch.cat(order_parts)
             first = torch.full((self.n,), len(self._blocks), dtype=torch.long)
-            first.scatter_reduce_(0, parent[ids], order, reduce="amin")
+            first.scatter_reduce_(0, parent.index_select(0, ids), order, reduce="amin")
             hit = (first < len(self._blocks)).nonzero().view(-1)
-            self.blocked = {r: self._blocks[k][1] for r, k in zip(hit.tolist(), first[hit].tolist())}
+            self.blocked = {r: self._blocks[k][1] for r, k in zip(hit.tolist(), first.index_select(0, hit).tolist())}
         self.roots = parent
         return parent
 
