@@ -303,6 +303,35 @@ def test_forward_failure_names_op_and_module():
         build_dependency_graph(_Broken(), torch.randn(2, 8))
 
 
+def test_a_forward_hook_that_replaces_the_output_is_traced_through():
+    # leaves without forward hooks are traced from forward()'s result; a hook's replacement
+    # output must carry the labels instead (the hooks path)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    replacement = torch.ones(3, 8)  # made outside the trace: no labels unless the leaf's own
+    m[0].register_forward_hook(lambda mod, args, out: replacement)
+    (g,) = build_dependency_graph(m, torch.randn(3, 4)).prunable_groups()
+    assert g.n_units == 8 and set(g.slots) == {("0", "out"), ("1", "in")}
+    assert "forward" not in m[0].__dict__ and len(m[0]._forward_hooks) == 1
+
+
+def test_tracing_leaves_a_modules_own_forward_attribute_as_it_was():
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    calls = []
+    own = m[0].forward
+
+    def logged(x):
+        calls.append(x.shape)
+        return own(x)
+
+    m[0].forward = logged  # e.g. what accelerate's hooks do
+    (g,) = build_dependency_graph(m, torch.randn(3, 4)).prunable_groups()
+    assert g.n_units == 8 and calls == [torch.Size([3, 4])]
+    assert m[0].__dict__["forward"] is logged and "forward" not in m[2].__dict__
+    with pytest.raises(TraceError, match=r"op 'linear' in module '0'"):
+        build_dependency_graph(m, torch.randn(3, 5))  # fails in the first Linear, named by its op
+    assert m[0].__dict__["forward"] is logged and "forward" not in m[2].__dict__
+
+
 def test_custom_handler_registry():
     class Scale(nn.Module):
         def __init__(self, n):

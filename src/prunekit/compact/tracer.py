@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as global_module_hooks
 from torch.overrides import TorchFunctionMode
 
 from . import shadows as lbl
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["OUTPUT_REASON", "TraceError", "Tracer"]
 
 OUTPUT_REASON = "these channels are part of the model's output"
+_NO_FORWARD = object()  # a module without a forward attribute of its own
 
 
 class Tracer(OpRules):
@@ -282,14 +284,33 @@ class Tracer(OpRules):
     def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         self.leaf_depth -= 1
         if self.leaf_depth == 0:
-            name = self.names[id(module)]
-            self.order.append(name)
-            self.stack.append(name)
-            try:
-                with torch._C.DisableTorchFunction():  # the handler's own tensor work is not traced
-                    self.handlers[name].trace(module, name, self, args, kwargs, output)
-            finally:
-                self.stack.pop()
+            self._trace_leaf(module, self.names[id(module)], args, kwargs, output)
+
+    def _trace_leaf(self, module: nn.Module, name: str, args: Any, kwargs: Any, output: Any) -> None:
+        self.order.append(name)
+        self.stack.append(name)
+        try:
+            with torch._C.DisableTorchFunction():  # the handler's own tensor work is not traced
+                self.handlers[name].trace(module, name, self, args, kwargs, output)
+        finally:
+            self.stack.pop()
+
+    def _traced_forward(self, module: nn.Module, name: str) -> Any:
+        """``module.forward`` wrapped to count the leaf depth and trace the leaf after it ran: what the
+        pre- and post-hook pair does, without the hooked call path (for modules without forward hooks,
+        whose output is then exactly what forward returns)."""
+        forward = module.forward
+        tracer = self
+
+        def traced_forward(*args: Any, **kwargs: Any) -> Any:
+            tracer.leaf_depth += 1
+            output = forward(*args, **kwargs)
+            tracer.leaf_depth -= 1
+            if tracer.leaf_depth == 0:
+                tracer._trace_leaf(module, name, args, kwargs, output)
+            return output
+
+        return traced_forward
 
     # ---- run
     def run(self, example_inputs: Any, ignored: Sequence[str]) -> Any:
@@ -301,6 +322,7 @@ class Tracer(OpRules):
                 self.handlers[name] = h
         self._leaves = {id(self.by_name[n]) for n in self.handlers}
         hooks: List[Any] = []
+        wrapped: List[Tuple[nn.Module, Any, Any]] = []  # (module, its own forward attribute or none, wrapper)
         tracer = self
         op_names: Dict[Any, str] = {}
 
@@ -343,6 +365,14 @@ class Tracer(OpRules):
             while hooks:
                 hooks[-1].remove()
                 hooks.pop()
+            while wrapped:  # the instance's own forward attribute back as it was (usually none)
+                module, before, wrapper = wrapped[-1]
+                if module.__dict__.get("forward") is wrapper:
+                    if before is _NO_FORWARD:
+                        del module.__dict__["forward"]
+                    else:
+                        module.__dict__["forward"] = before
+                wrapped.pop()
             for m, t in was_training:
                 if m.training != t:
                     m.training = t
@@ -352,10 +382,16 @@ class Tracer(OpRules):
         def traced() -> Any:
             try:
                 # hooks and eval mode inside the body: an interrupt while installing them removes them too
+                plain = not getattr(global_module_hooks, "_global_forward_hooks", True)  # no hook replaces any output
                 for name in self.handlers:
                     module = self.by_name[name]
-                    hooks.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
-                    hooks.append(module.register_forward_hook(self._post, with_kwargs=True))
+                    if plain and not module._forward_hooks:
+                        wrapper = self._traced_forward(module, name)
+                        wrapped.append((module, module.__dict__.get("forward", _NO_FORWARD), wrapper))
+                        module.__dict__["forward"] = wrapper
+                    else:  # forward hooks may replace the output: trace what they return
+                        hooks.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+                        hooks.append(module.register_forward_hook(self._post, with_kwargs=True))
                 if any(t for _, t in was_training):
                     self.model.eval()
                 torch.backends.mha.set_fastpath_enabled(False)
