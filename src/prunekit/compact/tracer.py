@@ -320,7 +320,13 @@ class Tracer(OpRules):
             parts = name.split(".")
             if h is not None and not any(".".join(parts[:i]) in self.handlers for i in range(1, len(parts))):
                 self.handlers[name] = h
-        self._leaves = {id(self.by_name[n]) for n in self.handlers}
+        # Every leaf's slots described now, in one warm loop: inside the forward pass each
+        # description would run right after a layer's compute has pushed it out of the caches.
+        for name, h in self.handlers.items():
+            try:
+                self._specs[name] = h.slots(self.by_name[name])
+            except Exception:  # described again when the module runs, and raised there as before
+                pass
         hooks: List[Any] = []
         wrapped: List[Tuple[nn.Module, Any, Any]] = []  # (module, its own forward attribute or none, wrapper)
         tracer = self
