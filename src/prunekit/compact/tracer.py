@@ -233,11 +233,10 @@ class Tracer(OpRules):
         if s.shape[dim] != x.shape[dim]:  # the same ids along the channel dim: spell them out
             s = s.expand(tuple(x.shape[dim] if i == dim else n for i, n in enumerate(s.shape)))
         if s.numel() == ids.numel():  # labels vary along the channel dim only (the usual case)
-            s = s.reshape(-1)
-            fixed = s
+            fixed = s  # the union-find flattens both when it solves
             self.uf.union_rows(s, ids)
             cm = self.consts_of(x) if self.consts else None
-            self.reads.append((ids, None if cm is None else lookup(cm, s)))
+            self.reads.append((ids, None if cm is None else lookup(cm, s.reshape(-1))))
         else:
             s = torch.unique(s.movedim(dim, -1).reshape(-1, ids.numel()), dim=0)
             pairs = torch.stack([s, ids.view(1, -1).expand_as(s)], dim=-1).reshape(-1, 2)

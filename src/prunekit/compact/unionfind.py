@@ -42,7 +42,8 @@ class UnionFind:
             self.roots = None
 
     def union_rows(self, a: Tensor, b: Tensor) -> None:
-        """Union ``a[i]`` with ``b[i]`` for every i (1-d, same length; negative ids are ignored)."""
+        """Union the i-th element of ``a`` with the i-th of ``b`` (same number of elements, any shapes:
+        both are flattened when solved; negative ids are ignored)."""
         if a.numel():
             self._rows.append((a, b))
             self.roots = None
@@ -50,10 +51,10 @@ class UnionFind:
     def block(self, ids: Tensor, reason: str, where_negative: Optional[Tensor] = None) -> None:
         """Record a reason for the components of ``ids`` (negative ids are ignored).
 
-        ``where_negative``: same length as ``ids``; only ids at its negative entries count.
+        ``where_negative``: as many elements as ``ids`` (any shape); only ids at its negative entries count.
         """
         if ids.numel():
-            self._blocks.append((ids.reshape(-1), reason, where_negative))
+            self._blocks.append((ids if ids.dim() == 1 else ids.reshape(-1), reason, where_negative))
             self.roots = None
 
     def solve(self) -> Tensor:
@@ -63,7 +64,8 @@ class UnionFind:
         parent = torch.arange(self.n, dtype=torch.long)
         if self._rows:  # the union_rows() pairs as (k, 2) edges, kept for a later solve()
             self._edges.append(
-                torch.stack([torch.cat([a for a, _ in self._rows]), torch.cat([b for _, b in self._rows])], dim=1)
+                torch.stack([torch.cat([a.reshape(-1) for a, _ in self._rows]),
+                             torch.cat([b.reshape(-1) for _, b in self._rows])], dim=1)
             )
             self._rows = []
         if self._edges:
