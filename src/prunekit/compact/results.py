@@ -56,11 +56,11 @@ class _Runs:
     def member(self, runs: Tensor) -> Tuple[Tensor, Tensor]:
         """The indices of ``runs`` concatenated, and the position (in ``runs``) of each."""
         if self.ones:
-            return self.flat[runs], torch.arange(runs.numel())
-        lens = self.lens[runs]
+            return self.flat.index_select(0, runs), torch.arange(runs.numel())
+        lens = self.lens.index_select(0, runs)
         before = torch.cumsum(lens, 0) - lens
-        pos = torch.arange(int(lens.sum())) - torch.repeat_interleave(before - self.off[runs], lens)
-        return self.flat[pos], torch.repeat_interleave(torch.arange(runs.numel()), lens)
+        pos = torch.arange(int(lens.sum())) - torch.repeat_interleave(before - self.off.index_select(0, runs), lens)
+        return self.flat.index_select(0, pos), torch.repeat_interleave(torch.arange(runs.numel()), lens)
 
 
 class Group:
