@@ -37,7 +37,7 @@ def test_an_upward_import_breaks_the_layering_contract(tmp_path):
     amount.write_text(amount.read_text() + "\nfrom ..training import schedules  # deliberate upward import\n")
     broken = lint_imports(tmp_path)
     assert broken.returncode == 1
-    assert "Layers import only downward (DESIGN.md section 1) BROKEN" in broken.stdout
+    assert "Layers import only downward (docs/architecture.md) BROKEN" in broken.stdout
     assert "prunekit.kernels is not allowed to import prunekit.training" in broken.stdout
     assert "prunekit.kernels.amount -> prunekit.training.schedules" in broken.stdout
 
