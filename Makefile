@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 KERNEL_SRC   := src/prunekit/sparse/csrc/linear.cpp
 KERNEL_STAMP := src/prunekit/sparse/csrc/build/.built
 
-.PHONY: test lint demo bench clean kernels
+.PHONY: test lint demo bench clean kernels docs docs-check
 
 $(STAMP): pyproject.toml setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,18 @@ demo: $(STAMP)
 	$(PY) examples/quickstart.py
 	$(PY) examples/tensorplay_quickstart.py
 	$(VENV)/bin/prunekit demo --out demo-out
+
+# The documentation site, built with --strict (mkdocs.yml): build/site
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+# Every page of the built site opened in headless Chromium (Debian's package, installed here when
+# missing and apt-get is usable): fails on a console error, a failed request, a broken image or link.
+# Screenshots go to build/site-shots.
+docs-check: docs
+	command -v chromium >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null); } || true
+	$(PY) tools/check_site.py build/site --shots build/site-shots
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_core.py
