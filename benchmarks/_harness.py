@@ -13,7 +13,11 @@ Nothing here knows about pruning. It provides:
   exceeds :data:`QUIET_LOAD` (after waiting up to :data:`SETTLE_S` for it to fall)
   unless it was given ``--allow-load``, and
   :func:`load_note` is printed beside every figure;
-* small statistics and table-formatting helpers.
+* small statistics and table-formatting helpers;
+* results files: every :func:`table` a benchmark prints is also recorded, and when
+  the script ends the tables are written to ``benchmarks/results/<script>.json``
+  with the command, date, machine, load averages and versions
+  (:func:`write_results`); the docs' benchmarks page is generated from these files.
 """
 
 from __future__ import annotations
@@ -309,7 +313,7 @@ def median(values: Sequence[float]) -> float:
 
 def run_child(argv: list[str], env: dict[str, str] | None = None, timeout: float = 600) -> dict:
     """Run ``python argv...`` in a fresh interpreter; return the JSON its last stdout line holds."""
-    full_env = dict(os.environ)
+    full_env = dict(os.environ, PRUNEKIT_BENCH_CHILD="1")
     if env:
         full_env.update(env)
     proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True,
@@ -343,8 +347,9 @@ def fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
-def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain-text table with columns padded to their widest cell."""
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, title: str = "") -> str:
+    """A plain-text table with columns padded to their widest cell; also recorded for the results file."""
+    record_table(header, rows, title=title)
     cells = [[fmt(c) for c in header]] + [[fmt(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = []
@@ -354,3 +359,87 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- results files
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+_RECORDED: list[dict] = []
+_STARTED = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_average": None}
+
+
+def record_table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, title: str = "") -> None:
+    """Keep one table for the results file (the first call arms writing it when the script ends)."""
+    if not _RECORDED and _is_main_run():
+        import atexit
+
+        _STARTED["load_average"] = list(load_average())
+        atexit.register(write_results)
+    _RECORDED.append({"title": title, "header": [fmt(c) for c in header],
+                      "rows": [[fmt(c) for c in row] for row in rows]})
+
+
+def _is_main_run() -> bool:
+    script = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return script.startswith("bench_") and not os.environ.get("PRUNEKIT_BENCH_CHILD")
+
+
+def machine() -> dict:
+    """CPU model, core count, memory and OS of this machine."""
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    mem = None
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem, "os": platform.platform()}
+
+
+def versions() -> dict:
+    """Versions of Python and of the packages a comparison may involve (those installed)."""
+    import importlib.metadata as md
+    import platform
+
+    out = {"python": platform.python_version()}
+    for name in ("prunekit", "torch", "transformers", "torch-pruning", "llmcompressor", "compressed-tensors",
+                 "tensorplay", "onnxruntime"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def write_results(path: str | None = None) -> str:
+    """Write the recorded tables with command, date, machine, load and versions; return the path."""
+    name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    path = path or os.path.join(RESULTS_DIR, f"{name}.json")
+    data = {
+        "benchmark": name,
+        "command": " ".join(["python", f"benchmarks/{os.path.basename(sys.argv[0])}", *sys.argv[1:]]),
+        "date": _STARTED["date"],
+        "machine": machine(),
+        "load_average": {"start": _STARTED["load_average"], "end": list(load_average())},
+        "torch_threads": torch.get_num_threads(),
+        "versions": versions(),
+        "tables": _RECORDED,
+    }
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    print(f"results: {os.path.relpath(path)}")
+    return path
