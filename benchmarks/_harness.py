@@ -420,7 +420,8 @@ def versions() -> dict:
 def write_results(path: str | None = None) -> str:
     """Write the recorded tables with command, date, machine, load and versions; return the path."""
     name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
-    path = path or os.path.join(RESULTS_DIR, f"{name}.json")
+    flags = [a.lstrip("-").split("=")[0] for a in sys.argv[1:] if a.startswith("--")]
+    path = path or os.path.join(RESULTS_DIR, ".".join([name, *flags]) + ".json")
     data = {
         "benchmark": name,
         "command": " ".join(["python", f"benchmarks/{os.path.basename(sys.argv[0])}", *sys.argv[1:]]),

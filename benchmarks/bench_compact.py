@@ -38,6 +38,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from compact_models import ResNetLike  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import record_table  # noqa: E402
+
 from prunekit.compact import build_dependency_graph, compact, count_macs, count_params, prune_groups  # noqa: E402
 
 
@@ -78,6 +81,9 @@ def report(name, rows, lat):
     print(f"{'model':<26}{'params':>12}{'MACs':>16}{'latency ms':>12}{'params x':>10}{'MACs x':>9}{'speedup':>9}")
     for k, (p, mac) in rows.items():
         print(f"{k:<26}{p:>12,}{mac:>16,}{lat[k]:>12.2f}{base_p / p:>10.2f}{base_m / mac:>9.2f}{base_t / lat[k]:>9.2f}")
+    record_table(["model", "params", "MACs", "latency ms", "params x", "MACs x", "speedup"],
+                 [[k, f"{p:,}", f"{mac:,}", f"{lat[k]:.2f}", f"{base_p / p:.2f}", f"{base_m / mac:.2f}",
+                   f"{base_t / lat[k]:.2f}"] for k, (p, mac) in rows.items()], title=name)
 
 
 def interleaved(cases, reps):
@@ -131,6 +137,8 @@ def bench_graph(args, dense, size):
     print(f"{'':<50}{'wall ms':>10}{'CPU ms':>10}")
     for k in cases:
         print(f"{k:<50}{wall[k]:10.1f}{cpu[k]:10.1f}")
+    record_table(["", "wall ms", "CPU ms"], [[k, f"{wall[k]:.1f}", f"{cpu[k]:.1f}"] for k in cases],
+                 title=f"Dependency analysis, ResNet-18-like, 1x3x{size}x{size}")
     if tp is not None:
         pk = "prunekit build_dependency_graph"
         for ref in ("Torch-Pruning build_dependency", "Torch-Pruning build_dependency + get_all_groups"):
@@ -191,6 +199,8 @@ def bench_resnet(args):
     print(f"\n== Structured pruning end to end, 50% of each group (medians of {args.prune_reps} interleaved runs; {loadavg()})")
     for k, v in times.items():
         print(f"{k:<62}{statistics.median(v) * 1e3:10.0f} ms")
+    record_table(["case", "ms (median)"], [[k, f"{statistics.median(v) * 1e3:.0f}"] for k, v in times.items()],
+                 title="Structured pruning end to end, 50% of each group")
     if tp is not None:
         ratio = statistics.median(times["prunekit: graph once, prune_groups + compact (shared graph)"]) / statistics.median(
             times["Torch-Pruning: MetaPruner(...) + step()"])

@@ -23,6 +23,7 @@ import argparse
 import copy
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -32,6 +33,9 @@ from torch import nn
 
 import prunekit
 from prunekit.training import prepare_pruning
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import record_table  # noqa: E402
 
 PATTERNS = [("1x1", 0.9, 1.0), ("2:4", 0.5, 1.0), ("4x1", 0.8, 2.0)]
 PRUNERS = ["magnitude", "snip", "snip_momentum", "gradient"]
@@ -127,11 +131,14 @@ def overhead(quick: bool, repeats: int) -> None:
                 ratios[opt_name][k].append(statistics.median(times[k]) / base)
             label = f"{opt_name} #{rep + 1}" if repeats > 1 else opt_name
             print(f"{label:<14}" + "".join(f"{ratios[opt_name][k][-1]:>23.3f}x" for k in kinds))
-    if repeats > 1:
-        print(f"median of the {repeats} repeats (range):")
-        for opt_name in optimizers:
-            cells = [f"{statistics.median(v):.3f}x ({min(v):.3f}-{max(v):.3f})" for v in ratios[opt_name].values()]
+    summary = []
+    for opt_name in optimizers:
+        cells = [f"{statistics.median(v):.3f}x ({min(v):.3f}-{max(v):.3f})" for v in ratios[opt_name].values()]
+        summary.append([opt_name] + cells)
+        if repeats > 1:
             print(f"{opt_name:<14}" + "".join(f"{c:>24}" for c in cells))
+    record_table(["optimizer"] + kinds, summary,
+                 title=f"training-step time against the unpruned model: median of {repeats} repeats (range)")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
@@ -157,6 +164,7 @@ def main():
     print(f"dense accuracy {dense_acc:.4f}  (CNN on digits, {dense_steps} dense steps, {ft_steps} fine-tuning steps)")
     print(f"{'pruner':<14}{'pattern':<8}{'target':>7}{'sparsity':>10}{'acc':>8}{'d acc':>8}{'goal':>6}"
           f"{'plain ms':>10}{'pruned ms':>10}{'ratio':>7}{'after end':>10}")
+    results = []
     for pattern, target, tol in PATTERNS:
         for prune_type in PRUNERS:
             ref = cnn(); ref.load_state_dict(dense)
@@ -182,7 +190,11 @@ def main():
             print(f"{prune_type:<14}{pattern:<8}{target:>7.2f}{rep.elementwise_over_layers:>10.4f}{acc:>8.4f}"
                   f"{(acc - dense_acc) * 100:>+8.2f}{ok:>6}{plain * 1e3:>10.3f}{pruned * 1e3:>10.3f}"
                   f"{pruned / plain:>7.3f}{after:>10.3f}")
+            results.append([prune_type, pattern, f"{target:.2f}", f"{rep.elementwise_over_layers:.4f}",
+                            f"{acc:.4f}", f"{(acc - dense_acc) * 100:+.2f}", ok])
             pruning.unwire()
+    record_table(["pruner", "pattern", "target", "sparsity", "accuracy", "change (points)", "within goal"], results,
+                 title=f"CNN on digits, dense accuracy {dense_acc:.4f}, {ft_steps} fine-tuning steps")
 
 
 if __name__ == "__main__":
