@@ -508,41 +508,6 @@ def training_resume(rank: int, world: int) -> None:
         assert torch.equal(a.to_local(), b.to_local()), n
 
 
-# ----------------------------------------------------------------- the README's torchrun script
-def readme_example(rank: int, world: int) -> None:
-    """The README's "Pruning sharded models" script runs as torchrun would run it and prints what it says."""
-    import contextlib
-    import io
-    import os
-    import re
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "init_process_group" in b]
-    assert len(blocks) == 1, f"expected one torchrun block in the README, found {len(blocks)}"
-    code = blocks[0]
-    claimed = re.findall(r"print\(.*\)\s+# (.*)", code)
-    init, destroy = dist.init_process_group, dist.destroy_process_group
-    out = io.StringIO()
-    with _SharedDir() as tmp:
-        cwd = os.getcwd()
-        os.chdir(tmp)
-        dist.init_process_group = lambda *a, **k: None  # the harness already joined the group
-        dist.destroy_process_group = lambda *a, **k: None
-        try:
-            with contextlib.redirect_stdout(out):
-                exec(compile(code, "README torchrun block", "exec"), {"__name__": "__main__"})
-            assert os.path.isdir("pruned-ckpt")
-        finally:
-            dist.init_process_group, dist.destroy_process_group = init, destroy
-            os.chdir(cwd)
-    printed = out.getvalue().strip().splitlines()
-    if rank == 0:
-        assert printed == claimed, (printed, claimed)
-    else:
-        assert printed == [], printed
-
-
 def prune_while_gathered(rank: int, world: int) -> None:
     """Pruning FSDP2's all-gathered copy (root parameters kept gathered after a forward) is refused."""
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 SCENARIOS_2 = ["api_methods", "api_errors", "global_pruning", "fsdp_training", "prune_before_shard",
                "training_oneshot_equal", "training_run", "ddp_training", "dcp_round_trip", "training_resume",
-               "readme_example", "prune_while_gathered", "reports", "prune_mid_training",
+               "prune_while_gathered", "reports", "prune_mid_training",
                "pattern_misaligned", "save_compressed_sharded"]
 SCENARIOS_4 = ["api_methods", "global_pruning", "fsdp_training", "training_oneshot_equal", "training_run",
                "dcp_round_trip", "save_compressed_sharded"]

@@ -54,10 +54,13 @@ def test_block_runs_as_written(page, code, tmp_path, monkeypatch):
         script = tmp_path / "script.py"
         script.write_text(code)
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              "--nproc_per_node", launch.group(1), str(script)],
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--log-dir",
+                              str(tmp_path / "logs"), "--tee", "1", "--nproc_per_node", launch.group(1), str(script)],
                              capture_output=True, text=True, env=env, timeout=300)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        claimed = re.findall(r"print\(.*\)\s+# (.*)", code)  # what rank 0 says it prints
+        printed = [ln.split("]:", 1)[1] for ln in run.stdout.splitlines() if ln.startswith("[default0]:")]
+        assert printed == claimed, (printed, claimed)
         return
     namespace = {"__name__": "__main__"}
     run_checking_claims(code, namespace, f"{page.name} block")
