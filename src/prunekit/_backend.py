@@ -344,7 +344,7 @@ def tensorplay_backend() -> Backend:
 def backend_of(obj: Any) -> Optional[Backend]:
     """The backend of a tensor or module (``None`` for anything else).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit._backend import backend_of
         >>> backend_of(torch.ones(2)).name, backend_of(torch.nn.Linear(2, 2)).name, backend_of(3)
@@ -390,7 +390,7 @@ def optimizer_backend(obj: Any) -> Optional[Backend]:
     Both keep per-parameter state in ``optimizer.state[param]`` (a dict of
     tensors) and offer ``register_step_pre_hook`` / ``register_step_post_hook``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit._backend import optimizer_backend
         >>> optimizer_backend(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)).name
@@ -421,7 +421,7 @@ def require_torch(model: Any, feature: str) -> None:
     For the parts of prunekit that work on PyTorch models only (compaction,
     sparse inference).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit._backend import require_torch
         >>> require_torch(torch.nn.Linear(2, 2), "prunekit.compact")

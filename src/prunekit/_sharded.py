@@ -49,7 +49,7 @@ def register(handler: Any) -> None:
 def handler_for(*tensors: Any) -> Optional[Any]:
     """The registered handler if any of ``tensors`` is sharded, else ``None``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> handler_for(torch.zeros(3), torch.nn.Parameter(torch.ones(2))) is None
         True
@@ -78,7 +78,7 @@ def check_plain(t: Any, module: Any, name: str) -> None:
 def count_nonzero(t: Any) -> int:
     """The number of non-zero entries of ``t``, over all ranks for a sharded tensor (then collective).
 
-    Example:
+    Examples:
         >>> import torch
         >>> count_nonzero(torch.tensor([0.0, 2.0, -1.0]))
         2

@@ -67,7 +67,7 @@ class BasePruningMethod(ABC):
     ``'global'``) and implement ``compute_mask(t, default_mask)``, exactly as
     with ``torch.nn.utils.prune``.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> class KeepEven(prunekit.BasePruningMethod):
         ...     PRUNING_TYPE = "unstructured"
@@ -101,7 +101,7 @@ class BasePruningMethod(ABC):
     def apply_mask(self, module: nn.Module) -> Tensor:
         """``name_orig * name_mask`` for the tensor this method prunes.
 
-        Example:
+        Examples:
             >>> import torch, prunekit
             >>> m = prunekit.l1_unstructured(torch.nn.Linear(3, 2), "weight", amount=2)
             >>> hook = next(iter(m._forward_pre_hooks.values()))
@@ -117,7 +117,7 @@ class BasePruningMethod(ABC):
     def prune(self, t: Tensor, default_mask: Optional[Tensor] = None, importance_scores: Optional[Tensor] = None) -> Tensor:
         """Return ``t`` with this method's mask applied (no module involved).
 
-        Example:
+        Examples:
             >>> import torch, prunekit
             >>> prunekit.L1Unstructured(amount=1).prune(torch.tensor([3.0, 1.0, 2.0])).tolist()
             [3.0, 0.0, 2.0]
@@ -156,7 +156,7 @@ class BasePruningMethod(ABC):
         dtype: by default the weight's dtype (as torch), ``torch.bool`` for a
         mask four times smaller than a float32 one.
 
-        Example:
+        Examples:
             >>> import torch, prunekit
             >>> m = torch.nn.Linear(4, 2)
             >>> method = prunekit.L1Unstructured.apply(m, "weight", amount=0.5, mask_dtype=torch.bool)
@@ -221,7 +221,7 @@ class BasePruningMethod(ABC):
 class PruningContainer(BasePruningMethod):
     """Container holding a sequence of pruning methods for iterative pruning.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = torch.nn.Linear(4, 3)
         >>> _ = prunekit.l1_unstructured(m, "weight", amount=0.5)
@@ -271,7 +271,7 @@ class PruningContainer(BasePruningMethod):
 def combine_masks(method: BasePruningMethod, t: Tensor, mask: Tensor) -> Tensor:
     """New mask from ``method`` computed on the unpruned part of ``t``, combined with ``mask``.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> mask = torch.tensor([1.0, 0.0, 1.0, 1.0])
         >>> combine_masks(prunekit.L1Unstructured(amount=1), torch.tensor([5.0, 0.1, 3.0, 4.0]), mask).tolist()

@@ -17,7 +17,7 @@ def first_line(e: BaseException, *, with_type: bool = False) -> str:
 
     ``with_type=True`` puts the type first: ``KeyError: 101`` says more than ``101``.
 
-    Example:
+    Examples:
         >>> first_line(ValueError("bad value\\nmore detail"))
         'bad value'
         >>> first_line(KeyError(101), with_type=True)
@@ -34,7 +34,7 @@ def first_line(e: BaseException, *, with_type: bool = False) -> str:
 class PruningError(ValueError, AssertionError):
     """A pruning request that cannot be carried out (bad shape, bad mask, ...).
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = torch.nn.Linear(4, 2)
         >>> try:

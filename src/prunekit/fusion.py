@@ -31,7 +31,7 @@ fusion shifts (a pruned conv bias folded with a batchnorm: zeros no longer
 zeros) and the pruned tensors of the modules fused away (the batchnorm's)
 are fused as their effective values and are no longer pruned (logged).
 
-Example:
+Examples:
     >>> import torch, prunekit
     >>> from torch import nn
     >>> m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
@@ -144,7 +144,7 @@ def fuse_known_modules(mod_list: Sequence[nn.Module], is_qat: bool,
     ``fuse_modules_qat``. Modules that are not pruned are fused by torch
     exactly as without it. See the module docstring for what stays pruned.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> from torch import nn
         >>> m = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
@@ -213,7 +213,7 @@ def fuse_modules(model: nn.Module, modules_to_fuse: Sequence[Any], inplace: bool
     dense-equivalent model. With ``inplace=True`` it is all or nothing: on any
     exception (``KeyboardInterrupt`` included) the model is left as it was.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> from torch import nn
         >>> m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
@@ -229,7 +229,7 @@ def fuse_modules_qat(model: nn.Module, modules_to_fuse: Sequence[Any], inplace: 
                      fuse_custom_config_dict: Optional[Dict[str, Any]] = None) -> nn.Module:
     """``torch.ao.quantization.fuse_modules_qat`` for a model with pruned layers (see :func:`fuse_modules`).
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> from torch import nn
         >>> m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).train()

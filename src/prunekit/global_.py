@@ -87,7 +87,7 @@ def global_unstructured(
         TypeError: ``parameters`` is not a list of ``(module, name)`` tuples, or the method is not unstructured.
         ValueError: bad amount, unknown tensor name, duplicated tensor, NaN among scores.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> net = torch.nn.Sequential(torch.nn.Linear(10, 4), torch.nn.Linear(4, 1))
         >>> prunekit.global_unstructured(

@@ -30,7 +30,7 @@ __all__ = ["block_counts", "count", "effective_tensors", "fraction", "masked_nam
 def count(t: Tensor) -> Tuple[int, int]:
     """``(elements, non-zero elements)`` of ``t`` (NaN counts as non-zero; DTensor shards: over all ranks).
 
-    Example:
+    Examples:
         >>> import torch
         >>> count(torch.tensor([[0.0, 1.0], [float("nan"), 0.0]]))
         (4, 2)
@@ -41,7 +41,7 @@ def count(t: Tensor) -> Tuple[int, int]:
 def fraction(part: int, whole: int) -> float:
     """``part / whole``, ``0.0`` for an empty whole (the one rounding every report uses).
 
-    Example:
+    Examples:
         >>> fraction(3, 4), fraction(0, 0)
         (0.75, 0.0)
     """
@@ -56,7 +56,7 @@ def block_counts(nz: Tensor, pattern: Any) -> Optional[Tuple[int, int]]:
     units are those pattern pruning removes, so a tensor pruned with a pattern
     reports its blocks exactly.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.kernels.patterns import get_pattern
         >>> block_counts(torch.tensor([[True, True, False, False]]), get_pattern("1x2"))
@@ -71,7 +71,7 @@ def block_counts(nz: Tensor, pattern: Any) -> Optional[Tuple[int, int]]:
 def masked_names(sd: Mapping[str, Any]) -> Set[str]:
     """Names ``x`` whose ``x_orig`` and ``x_mask`` are both in the state dict ``sd``.
 
-    Example:
+    Examples:
         >>> sorted(masked_names({"w_orig": 0, "w_mask": 0, "b": 0, "v_mask": 0}))
         ['w']
     """
@@ -87,7 +87,7 @@ def effective_tensors(source: Union[nn.Module, Mapping[str, Tensor]]
     with masked entries exactly zero, as :func:`prunekit.remove` bakes them.
     For a state dict: every floating-point entry, ``x_orig``/``x_mask`` pairs baked.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = torch.nn.Linear(2, 2)
         >>> _ = prunekit.l1_unstructured(m, "weight", amount=1)
@@ -125,7 +125,7 @@ def effective_tensors(source: Union[nn.Module, Mapping[str, Tensor]]
 def totals(tensors: Mapping[str, Tensor]) -> Tuple[int, int]:
     """``(elements, non-zero elements)`` over every tensor of ``tensors``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> totals({"a": torch.zeros(3), "b": torch.ones(2)})
         (5, 2)

@@ -56,7 +56,7 @@ def _with_keep(default_mask: Tensor, keep: Tensor) -> Tensor:
 def validate_structured(t: Tensor, dim: int) -> int:
     """``dim`` as an index in ``[0, t.dim())``, after checking that ``t`` has channels along it.
 
-    Example:
+    Examples:
         >>> import torch
         >>> validate_structured(torch.zeros(3, 4), -1)
         1
@@ -290,7 +290,7 @@ class CustomFromMask(BasePruningMethod):
 def identity(module: nn.Module, name: str, *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Reparameterize ``name`` with a mask of ones (prunes nothing).
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = prunekit.identity(torch.nn.Linear(2, 3), "bias")
         >>> m.bias_mask
@@ -304,7 +304,7 @@ def identity(module: nn.Module, name: str, *, mask_dtype: Optional[torch.dtype] 
 def random_unstructured(module: nn.Module, name: str, amount: Amount, *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Prune ``amount`` of the currently unpruned entries of ``name`` at random.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = prunekit.random_unstructured(torch.nn.Linear(2, 3), "weight", amount=1)
         >>> int((m.weight_mask == 0).sum())
@@ -322,7 +322,7 @@ def l1_unstructured(module: nn.Module, name: str, amount: Amount, importance_sco
     ``amount``: an int counts entries; a float in [0, 1] is a fraction.
     ``mask_dtype=torch.bool`` stores a lean boolean mask.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = prunekit.l1_unstructured(torch.nn.Linear(64, 32, bias=False), name="weight", amount=0.3)
         >>> int((m.weight_mask == 0).sum()), prunekit.is_pruned(m)
@@ -337,7 +337,7 @@ def random_structured(module: nn.Module, name: str, amount: Amount, dim: int,
                       *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Prune ``amount`` of the currently unpruned channels of ``name`` along ``dim`` at random.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = prunekit.random_structured(torch.nn.Linear(5, 3), "weight", amount=3, dim=1)
         >>> int((m.weight_mask.sum(0) == 0).sum())
@@ -352,7 +352,7 @@ def ln_structured(module: nn.Module, name: str, amount: Amount, n: NormOrder, di
                   importance_scores: Optional[Tensor] = None, *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Prune ``amount`` of the currently unpruned channels of ``name`` along ``dim`` with the lowest L``n`` norm.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = prunekit.ln_structured(torch.nn.Conv2d(3, 8, 3), "weight", amount=0.25, n="nuc", dim=0)
         >>> int((m.weight_mask.sum(dim=(1, 2, 3)) == 0).sum())
@@ -366,7 +366,7 @@ def ln_structured(module: nn.Module, name: str, amount: Amount, n: NormOrder, di
 def custom_from_mask(module: nn.Module, name: str, mask: Tensor, *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Prune ``name`` with a mask you computed (combined with any earlier mask).
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = prunekit.custom_from_mask(torch.nn.Linear(5, 3), name="bias", mask=torch.tensor([0, 1, 0]))
         >>> m.bias_mask
@@ -379,7 +379,7 @@ def custom_from_mask(module: nn.Module, name: str, mask: Tensor, *, mask_dtype: 
 def remove(module: nn.Module, name: str) -> nn.Module:
     """Make the pruning of ``name`` permanent (see :func:`prunekit.reparam.remove`).
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = prunekit.l1_unstructured(torch.nn.Linear(4, 2), "weight", amount=4)
         >>> m = prunekit.remove(m, "weight")

@@ -148,7 +148,7 @@ def _current_tensor(module: nn.Module, name: str) -> Optional[Tensor]:
 def base_class(module: nn.Module) -> type:
     """The module's class as it was before pruning.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = prunekit.l1_unstructured(torch.nn.Linear(4, 2), "weight", 0.5)
         >>> base_class(m) is torch.nn.Linear, isinstance(m, torch.nn.Linear)
@@ -365,7 +365,7 @@ def masked(t: Tensor, mask: Tensor, *, inplace: bool = False) -> Tensor:
     values other than 0 and 1 scale their entry. Boolean masks keep where True.
     Computed without gradients; ``inplace=True`` writes into ``t`` (same object).
 
-    Example:
+    Examples:
         >>> import torch
         >>> t = torch.tensor([-1.0, float("nan"), 3.0, 4.0])
         >>> masked(t, torch.tensor([0.0, 0.0, 1.0, 0.5])).tolist()
@@ -391,7 +391,7 @@ def masked(t: Tensor, mask: Tensor, *, inplace: bool = False) -> Tensor:
 def is_masked(module: nn.Module, name: str) -> bool:
     """Whether ``module.name`` is reparameterized as ``name_orig``/``name_mask`` (by prunekit or torch).
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = prunekit.l1_unstructured(torch.nn.Linear(3, 2), "weight", amount=1)
         >>> is_masked(m, "weight"), is_masked(m, "bias")
@@ -403,7 +403,7 @@ def is_masked(module: nn.Module, name: str) -> bool:
 def get_mask(module: nn.Module, name: str) -> Optional[Tensor]:
     """The mask buffer of ``module.name``, or ``None`` when it is not masked.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = prunekit.custom_from_mask(torch.nn.Linear(2, 1), "weight", torch.tensor([[1, 0]]))
         >>> get_mask(m, "weight").tolist(), get_mask(m, "bias")
@@ -417,7 +417,7 @@ def stored(module: nn.Module, name: str) -> Optional[Tensor]:
 
     Never computes the masked value.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = prunekit.l1_unstructured(torch.nn.Linear(3, 2), "weight", amount=1)
         >>> stored(m, "weight") is m.weight_orig, stored(m, "bias") is m.bias
@@ -431,7 +431,7 @@ def stored(module: nn.Module, name: str) -> Optional[Tensor]:
 def effective(module: nn.Module, name: str) -> Tensor:
     """The value the forward pass uses for ``module.name``, detached (a fresh tensor when masked).
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = prunekit.custom_from_mask(torch.nn.Linear(2, 1, bias=False), "weight", torch.tensor([[0, 1]]))
         >>> torch.equal(effective(m, "weight"), m.weight_orig.detach() * torch.tensor([[0.0, 1.0]]))
@@ -447,7 +447,7 @@ def effective_for_reading(module: nn.Module, name: str) -> Tensor:
     own forward pass computed and cached, when ``name_orig`` and the mask are unchanged since and
     the value was never handed out; otherwise :func:`effective`'s fresh product.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = prunekit.custom_from_mask(torch.nn.Linear(2, 2), "weight", torch.tensor([[1.0, 0], [1, 1]]))
         >>> with torch.no_grad():
@@ -486,7 +486,7 @@ def apply_mask(module: nn.Module, name: str, mask: Tensor, *, mask_dtype: Option
     existing mask multiplied by ``mask``: a mask only loses ones), nothing is
     changed if anything fails. ``mask_dtype`` as for every pruning function.
 
-    Example:
+    Examples:
         >>> import torch
         >>> m = torch.nn.Linear(3, 1, bias=False)
         >>> apply_mask(m, "weight", torch.tensor([[1, 0, 1]]))
@@ -510,7 +510,7 @@ def unmask(module: nn.Module, name: str, *, bake: bool = True) -> Tensor:
     Raises:
         ValueError: ``module.name`` is not masked.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = prunekit.custom_from_mask(torch.nn.Linear(2, 1), "weight", torch.tensor([[0, 1]]))
         >>> w = m.weight_orig.detach().clone()
@@ -544,7 +544,7 @@ def unmask(module: nn.Module, name: str, *, bake: bool = True) -> Tensor:
 def iter_masked(model: nn.Module) -> Iterator[Tuple[str, nn.Module, str]]:
     """``(module name, module, tensor name)`` for every ``name_orig``/``name_mask`` pair, whoever pruned it.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
         >>> _ = prunekit.identity(net[1], "bias")
@@ -560,7 +560,7 @@ def iter_masked(model: nn.Module) -> Iterator[Tuple[str, nn.Module, str]]:
 def owner_of(model: nn.Module, path: str) -> Tuple[nn.Module, str]:
     """The submodule that owns the tensor at ``path`` and the tensor's name in it.
 
-    Example:
+    Examples:
         >>> import torch
         >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
         >>> owner_of(net, "0.weight")[0] is net[0], owner_of(net, "0.weight")[1]
@@ -666,7 +666,7 @@ def sync(module: nn.Module) -> None:
     copying and pickling call it; call it yourself before reading
     ``name_orig`` through ``parameters()`` right after writing through ``name``.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = prunekit.custom_from_mask(torch.nn.Linear(2, 1, bias=False), "weight", torch.tensor([[1, 0]]))
         >>> with torch.no_grad():
@@ -913,7 +913,7 @@ def remove(module: nn.Module, name: str) -> nn.Module:
     Raises:
         ValueError: ``name`` of ``module`` is not pruned.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = prunekit.random_unstructured(torch.nn.Linear(5, 7), name="weight", amount=0.2)
         >>> m = prunekit.remove(m, name="weight")
@@ -993,7 +993,7 @@ def iter_pruned(module: nn.Module) -> Iterator[Tuple[str, nn.Module, str]]:
 def is_pruned(module: nn.Module) -> bool:
     """Whether ``module`` or any submodule carries a pruning hook (prunekit's or torch's).
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = torch.nn.Linear(5, 7)
         >>> prunekit.is_pruned(m)

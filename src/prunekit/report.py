@@ -104,7 +104,7 @@ class ModelReport:
     def to_dict(self) -> Dict[str, Any]:
         """Plain, JSON-ready dict (shapes become lists).
 
-        Example:
+        Examples:
             >>> import json, torch
             >>> from prunekit.report import model_report
             >>> d = model_report({"fc.weight": torch.eye(4)}).to_dict()
@@ -121,7 +121,7 @@ class ModelReport:
     def layer(self, name: str) -> LayerReport:
         """The entry of the weight called ``name`` (``KeyError`` naming the known ones otherwise).
 
-        Example:
+        Examples:
             >>> import torch
             >>> from prunekit.report import model_report
             >>> r = model_report({"fc.weight": torch.eye(4), "fc.bias": torch.ones(4)})
@@ -194,7 +194,7 @@ def model_report(source: Union[nn.Module, Mapping[str, Tensor]]) -> ModelReport:
     counts once, tied ones under their first name. The figures are the ones
     :func:`prunekit.training.sparsity_report` gives for the same tensors.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> from prunekit.report import model_report
         >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
@@ -261,7 +261,7 @@ def _save_figure(fig: Any, path: PathLike) -> str:
 def plot_layer_sparsity(report: ModelReport, path: PathLike, *, title: Optional[str] = None) -> str:
     """Write a PNG bar chart of each layer's element-wise and channel sparsity; returns the path.
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch, prunekit
         >>> from prunekit.report import model_report, plot_layer_sparsity
         >>> m = prunekit.l1_unstructured(torch.nn.Linear(8, 8), "weight", amount=0.5)
@@ -301,7 +301,7 @@ def plot_accuracy_vs_sparsity(
     ``results`` are mappings with ``method``, ``sparsity`` and ``accuracy``
     (fractions in [0, 1]); ``dense_accuracy`` draws the unpruned baseline.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> from prunekit.report import plot_accuracy_vs_sparsity
         >>> rows = [{"method": "magnitude", "sparsity": s, "accuracy": a} for s, a in [(0.5, 0.98), (0.9, 0.95)]]
@@ -366,7 +366,7 @@ def plot_grouped_bars(
     grouped by pattern, 50% and 2:4). ``reference`` draws a dashed line (e.g. ``1.0``, the dense model).
     Returns the path.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> from prunekit.report import plot_grouped_bars
         >>> rows = [{"pattern": p, "method": m, "cosine": c} for p, m, c in

@@ -29,7 +29,7 @@ def dense_state_dict(source: Union[nn.Module, Mapping[str, Tensor]]) -> "Ordered
     Works on a model (pruned or not) or on a state dict; the result loads into
     the dense model with plain ``load_state_dict``.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = prunekit.l1_unstructured(torch.nn.Linear(4, 2), "weight", amount=3)
         >>> sd = prunekit.dense_state_dict(m)
@@ -74,7 +74,7 @@ def load_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], strict: 
     built on the meta device (``torch.device("meta")``, accelerate's
     ``init_empty_weights()``) is loaded; the saved masks come with them.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> src = prunekit.l1_unstructured(torch.nn.Linear(4, 2), "weight", amount=3)
         >>> dst = torch.nn.Linear(4, 2)

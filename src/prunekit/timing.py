@@ -23,7 +23,7 @@ def interleaved_medians(calls: Sequence[Callable[[], Any]], repeats: int, warmup
     Each call first runs ``warmup`` times untimed; then ``repeats`` rounds time
     every call once, in order.
 
-    Example:
+    Examples:
         >>> medians = interleaved_medians([lambda: sum(range(100)), lambda: None], repeats=5)
         >>> len(medians), all(m >= 0 for m in medians)
         (2, True)

@@ -7,7 +7,7 @@
   description that rebuilds the compacted model from the original model class;
 * :func:`register_handler` -- teach it a new layer type.
 
-Example:
+Examples:
     >>> import torch
     >>> from torch import nn
     >>> from prunekit.compact import prune_groups, compact, count_params

@@ -103,7 +103,7 @@ def compact(
         CompactionError: the compacted model fails or its output differs from the masked
             model's (``model`` is unchanged; please report it with the model).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from prunekit.compact import prune_groups, compact
@@ -428,7 +428,7 @@ def _check_outputs(
 def compaction_description(model: nn.Module) -> Dict[str, Any]:
     """The JSON-able description of a compacted model's new shapes.
 
-    Example:
+    Examples:
         >>> import json, torch
         >>> from torch import nn
         >>> from prunekit.compact import prune_groups, compact, compaction_description
@@ -450,7 +450,7 @@ def rebuild_from_description(model: nn.Module, description: Dict[str, Any]) -> n
     no code is unpickled or imported by name. Every module name and class is checked
     before anything changes, so a description that does not fit leaves ``model`` as it was.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from prunekit.compact import prune_groups, compact, compaction_description, rebuild_from_description
@@ -497,7 +497,7 @@ def load_compacted(model: nn.Module, state_dict: Dict[str, Tensor], description:
     exactly as it was. Read a file written by :func:`save_compacted` with
     :func:`prunekit.io.compacted.read_compacted`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from prunekit.compact import prune_groups, compact, compaction_description, load_compacted
@@ -539,7 +539,7 @@ def save_compacted(model: nn.Module, path: Any) -> None:
 
     Written by prunekit's atomic writer: a failed save leaves ``path`` as it was.
 
-    Example:
+    Examples:
         >>> import io, torch
         >>> from torch import nn
         >>> from prunekit.compact import prune_groups, compact, save_compacted, load_compacted

@@ -28,7 +28,7 @@ _NAN = float("nan")
 def from_slot(ids: Tensor, values: Tensor) -> Optional[ConstMap]:
     """The map of a producer slot's ids with per-index ``values`` (NaN: unknown).
 
-    Example:
+    Examples:
         >>> from_slot(torch.tensor([7, 8, 9]), torch.tensor([0.5, float("nan"), 0.0]))
         (tensor([7, 9]), tensor([0.5000, 0.0000], dtype=torch.float64))
     """
@@ -44,7 +44,7 @@ def from_slot(ids: Tensor, values: Tensor) -> Optional[ConstMap]:
 def lookup(cm: Optional[ConstMap], labels: Tensor) -> Tensor:
     """The value of every label in ``labels`` (any shape; NaN where unknown or ``-1``).
 
-    Example:
+    Examples:
         >>> lookup((torch.tensor([2, 5]), torch.tensor([1.0, 0.0], dtype=torch.float64)), torch.tensor([5, 3, -1, 2]))
         tensor([0., nan, nan, 1.], dtype=torch.float64)
     """

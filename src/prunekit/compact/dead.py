@@ -117,7 +117,7 @@ def _per_unit_any(hit: Tensor, unit_of: Tensor, n: int) -> Tensor:
 def dead_units(graph: DependencyGraph, group: Group, nz: Optional[NonZero] = None, explain: bool = True) -> Verdict:
     """The :class:`Verdict` for ``group`` (see the module docstring).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from prunekit.compact import build_dependency_graph
@@ -208,7 +208,7 @@ def _why_kept(units: List[int], readers: List[Any], has_readers: bool) -> Dict[i
 def zero_units(graph: DependencyGraph) -> Dict[int, List[int]]:
     """For each group index, the indices of its units that :func:`compact` would remove.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from prunekit.compact import build_dependency_graph, prune_groups, zero_units

@@ -110,7 +110,7 @@ def build_dependency_graph(
             the j-th query head of every group (query heads removed evenly, keys and
             values kept). Plain multi-head attention is pruned by heads either way.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from prunekit.compact import build_dependency_graph

@@ -28,7 +28,7 @@ Importance = Union[str, Scorer, Callable[[Tensor, int], Tensor]]
 def as_group_scorer(importance: Importance) -> Optional[Scorer]:
     """The scorer for ``importance`` (``None`` for ``"random"``, which draws one number per unit).
 
-    Example:
+    Examples:
         >>> from prunekit.compact.importance import as_group_scorer
         >>> as_group_scorer("taylor").name
         'snip'
@@ -81,7 +81,7 @@ def group_importance(
     any other scorer of :mod:`prunekit.importance` by name or object; or a
     callable ``f(tensor, axis) -> per-index scores``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from prunekit.compact import build_dependency_graph, group_importance

@@ -11,7 +11,7 @@ def split_inputs(example_inputs: Any) -> Tuple[tuple, dict]:
     """``(args, kwargs)`` for ``model(*args, **kwargs)``: a dict is keyword inputs, a tuple or
     list positional inputs, anything else the one positional input.
 
-    Example:
+    Examples:
         >>> split_inputs({"input_ids": 1}), split_inputs((1, 2)), split_inputs(3)
         (((), {'input_ids': 1}), ((1, 2), {}), ((3,), {}))
     """
@@ -25,7 +25,7 @@ def split_inputs(example_inputs: Any) -> Tuple[tuple, dict]:
 def flatten_output(output: Any) -> Any:
     """A model output as nested lists/tuples of tensors (dicts and Hugging Face outputs by value).
 
-    Example:
+    Examples:
         >>> flatten_output({"a": 1, "b": 2})
         [1, 2]
     """

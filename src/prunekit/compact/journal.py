@@ -63,7 +63,7 @@ class _ModuleState:
 class Journal:
     """Records module states before they change; :meth:`rollback` restores them all.
 
-    Example:
+    Examples:
         >>> import torch
         >>> m = torch.nn.Linear(3, 2)
         >>> w = m.weight
@@ -124,7 +124,7 @@ class Journal:
 def atomic() -> Iterator[Journal]:
     """A :class:`Journal` rolled back if the block raises anything (``KeyboardInterrupt`` included).
 
-    Example:
+    Examples:
         >>> import torch
         >>> m = torch.nn.Linear(3, 2)
         >>> try:
@@ -188,7 +188,7 @@ def run_then_clean(body: Callable[[], _T], cleanup: Callable[[], None]) -> _T:
     call into :func:`finish` -- the first line of the ``finally``, before the cleanup starts --
     which the outer handler catches and cleans up after.
 
-    Example:
+    Examples:
         >>> import torch
         >>> lin, handles = torch.nn.Linear(2, 2), []
         >>> def body():

@@ -91,7 +91,7 @@ def count_macs(model: nn.Module, example_inputs: Any, *, effective: bool = False
     (``weight_orig * weight_mask``). Ops without weights (matmul, attention)
     count in full either way.
 
-    Example:
+    Examples:
         >>> import torch
         >>> fc = torch.nn.Linear(8, 4)
         >>> count_macs(fc, torch.randn(3, 8))
@@ -116,7 +116,7 @@ def count_macs(model: nn.Module, example_inputs: Any, *, effective: bool = False
 def count_params(model: nn.Module) -> int:
     """Number of stored parameter elements (a masked weight counts in full).
 
-    Example:
+    Examples:
         >>> count_params(torch.nn.Linear(8, 4))
         36
     """

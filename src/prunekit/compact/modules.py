@@ -20,7 +20,7 @@ class PrunedMultiheadAttention(nn.MultiheadAttention):
     It never takes PyTorch's fused fast path (``_qkv_same_embed_dim`` is False), so
     ``nn.TransformerEncoderLayer`` runs it through this forward.
 
-    Example:
+    Examples:
         >>> m = PrunedMultiheadAttention(embed_dim=16, num_heads=2, head_dim=4, embed_out=16, batch_first=True)
         >>> x = torch.randn(3, 5, 16)
         >>> m(x, x, x)[0].shape

@@ -85,7 +85,7 @@ def prune_groups(
             each kind loses the mean of what its groups would have lost.
         gqa: units of grouped-query attention, see :func:`build_dependency_graph`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from prunekit.compact import prune_groups
@@ -134,7 +134,7 @@ def prune_groups(
 def group_kind(group: Group) -> Tuple[Any, ...]:
     """What a group is, up to its block: slot names with numbers replaced, and its unit count.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.compact import build_dependency_graph
         >>> from prunekit.compact.prune import group_kind

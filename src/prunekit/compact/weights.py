@@ -24,7 +24,7 @@ def is_masked(module: nn.Module, path: str) -> bool:
 def effective(module: nn.Module, path: str) -> Tensor:
     """The value the forward pass uses for the tensor at ``path`` (detached; masks applied).
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = prunekit.custom_from_mask(torch.nn.Linear(2, 2), "weight", torch.tensor([[1.0, 0], [1, 1]]))
         >>> float(effective(m, "weight")[0, 1])
@@ -38,7 +38,7 @@ def read_only(module: nn.Module, path: str) -> Tensor:
     """:func:`effective` for a reader that never writes into it: may be the value the module's
     forward pass cached (see :func:`prunekit.reparam.effective_for_reading`).
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> m = prunekit.custom_from_mask(torch.nn.Linear(2, 2), "weight", torch.tensor([[1.0, 0], [1, 1]]))
         >>> torch.equal(read_only(m, "weight"), effective(m, "weight"))

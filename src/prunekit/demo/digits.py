@@ -22,7 +22,7 @@ Progress = Callable[[str, int, int], None]
 def make_model() -> nn.Module:
     """The demo's CNN for 1x8x8 digit images (about 227k parameters, 2.5M MACs per image).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.demo import make_model
         >>> make_model()(torch.zeros(2, 1, 8, 8)).shape
@@ -41,7 +41,7 @@ def load_data(seed: int = 0, test_fraction: float = 0.2) -> Tuple[Tensor, Tensor
 
     The split is stratified by class and fixed by ``seed``.
 
-    Example:
+    Examples:
         >>> from prunekit.demo import load_data
         >>> xtr, ytr, xte, yte = load_data()
         >>> tuple(xtr.shape), tuple(xte.shape)
@@ -69,7 +69,7 @@ def load_data(seed: int = 0, test_fraction: float = 0.2) -> Tuple[Tensor, Tensor
 class Stepper:
     """Counts training steps across the whole demo for the progress callback.
 
-    Example:
+    Examples:
         >>> from prunekit.demo.digits import Stepper
         >>> seen = []
         >>> s = Stepper(10, lambda stage, done, total: seen.append((stage, done, total)))

@@ -18,7 +18,7 @@ class DemoSettings:
     ``pretrained_patterns`` (a sparsity such as ``"0.5"`` or an N:M pattern such as ``"2:4"``),
     from ``pretrained_calibration`` sentences, judged on ``pretrained_evaluation`` others.
 
-    Example:
+    Examples:
         >>> from prunekit.demo import DemoSettings
         >>> s = DemoSettings.quick()
         >>> s.levels, s.pretrained_methods
@@ -84,7 +84,7 @@ class DemoSettings:
 def pattern_sparsity(pattern: str) -> Any:
     """``(sparsity, oneshot pattern)`` for a demo pattern string, ``None`` when it is neither form.
 
-    Example:
+    Examples:
         >>> from prunekit.demo.settings import pattern_sparsity
         >>> pattern_sparsity("0.5"), pattern_sparsity("2:4"), pattern_sparsity("1.5")
         ((0.5, 'unstructured'), (0.5, '2:4'), None)

@@ -194,7 +194,7 @@ def two_four(run: DemoRun) -> None:
 def channel_key(settings: DemoSettings) -> str:
     """The results key of the channel-pruned, compacted model.
 
-    Example:
+    Examples:
         >>> from prunekit.demo import DemoSettings
         >>> from prunekit.demo.stages import channel_key
         >>> channel_key(DemoSettings(channel_amount=0.5))

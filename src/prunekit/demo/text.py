@@ -51,7 +51,7 @@ def _docstrings() -> List[str]:
 def sentences() -> List[str]:
     """Every usable sentence, deduplicated, in a fixed shuffled order.
 
-    Example:
+    Examples:
         >>> from prunekit.demo.text import sentences
         >>> s = sentences()
         >>> len(s) > 500, len(set(s)) == len(s), all(8 <= len(x.split()) <= 40 for x in s)
@@ -74,7 +74,7 @@ def sentences() -> List[str]:
 def calibration_and_evaluation(n_cal: int = 128, n_eval: int = 384) -> Tuple[List[str], List[str]]:
     """Two disjoint, fixed lists of sentences: ``n_cal`` for calibration, ``n_eval`` for evaluation.
 
-    Example:
+    Examples:
         >>> from prunekit.demo.text import calibration_and_evaluation
         >>> cal, ev = calibration_and_evaluation(32, 96)
         >>> len(cal), len(ev), set(cal) & set(ev)

@@ -9,7 +9,7 @@ a criterion registered with :func:`register_scorer` is usable by all of them
 (as far as they can supply what it needs). Pure tensor math: nothing here
 knows about modules.
 
-Example:
+Examples:
     >>> import torch
     >>> import prunekit.importance as imp
     >>> @imp.register_scorer("l1_sq")

@@ -26,7 +26,7 @@ class ActivationStats:
     padding. ``sq_norm`` is ``sum x_j^2`` per feature, ``norm`` its square
     root, ``hessian`` the mean ``X^T X / count`` (with ``hessian=True``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.importance import ActivationStats
         >>> s = ActivationStats(2, hessian=True)

@@ -5,7 +5,7 @@ Decorate a :class:`~prunekit.importance.Scorer` subclass (its ``__init__``
 keyword arguments become ``get_scorer``'s parameters) or a plain function
 ``fn(weight, *, grad=None, stats=None) -> Tensor`` (say what it needs).
 
-Example:
+Examples:
     >>> import torch
     >>> from prunekit.importance import register_scorer, get_scorer, unregister_scorer
     >>> @register_scorer("cube", needs=("weight",))
@@ -58,7 +58,7 @@ def register_scorer(
     and ``needs`` to ``("weight",)``. Registering a taken name raises a
     ``ValueError`` unless ``overwrite=True``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.importance import register_scorer, get_scorer, unregister_scorer
         >>> @register_scorer("grad_sq", needs=("weight", "gradient"))
@@ -105,7 +105,7 @@ def register_scorer(
 def unregister_scorer(name: str) -> None:
     """Remove ``name`` (and the aliases that point to it) from the registry.
 
-    Example:
+    Examples:
         >>> from prunekit.importance import register_scorer, unregister_scorer, list_scorers
         >>> _ = register_scorer("tmp")(lambda weight: weight.abs())
         >>> unregister_scorer("tmp"); "tmp" in list_scorers()
@@ -121,7 +121,7 @@ def unregister_scorer(name: str) -> None:
 def list_scorers(include_aliases: bool = True) -> List[str]:
     """Registered names, sorted (aliases included unless told otherwise).
 
-    Example:
+    Examples:
         >>> from prunekit.importance import list_scorers
         >>> {"magnitude", "l2", "snip", "taylor", "wanda", "sparsegpt"} <= set(list_scorers())
         True
@@ -140,7 +140,7 @@ def resolve_name(name: str) -> str:
 def get_scorer(spec: Union[str, Scorer, type], **params: Any) -> Scorer:
     """A scorer: by registered name (with its parameters), or a Scorer instance/subclass as is.
 
-    Example:
+    Examples:
         >>> from prunekit.importance import get_scorer
         >>> get_scorer("taylor").name          # an alias of "snip"
         'snip'

@@ -53,7 +53,7 @@ NEEDS: FrozenSet[str] = frozenset({WEIGHT, GRADIENT, ACTIVATIONS, HESSIAN})
 def reduce_per_index(values: Tensor, axis: int) -> Tensor:
     """Sum ``values`` over every dimension but ``axis``: one float per index along ``axis``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> reduce_per_index(torch.tensor([[1., 2.], [3., 4.]]), axis=1)
         tensor([4., 6.])
@@ -67,7 +67,7 @@ class Scorer:
     Subclasses set :attr:`name` and :attr:`needs` and implement :meth:`score`;
     the group methods default to summing the entry scores over a unit.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.importance import get_scorer
         >>> s = get_scorer("magnitude")
@@ -98,7 +98,7 @@ class Scorer:
     def check_inputs(self, weight: Tensor, grad: Optional[Tensor] = None, stats: Any = None, where: str = "") -> None:
         """Raise a ``ValueError`` that says what is missing, naming ``where`` (a module.tensor).
 
-        Example:
+        Examples:
             >>> import torch
             >>> from prunekit.importance import get_scorer
             >>> get_scorer("snip").check_inputs(torch.ones(2), where="fc.weight")
@@ -157,7 +157,7 @@ class FunctionScorer(Scorer):
 
     What :func:`~prunekit.importance.register_scorer` builds when it decorates a function.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.importance import FunctionScorer
         >>> s = FunctionScorer("cube", lambda w, **_: w.abs() ** 3)

@@ -14,7 +14,7 @@ name (aliases)                 needs                score (higher = keep)
                                                     (Optimal Brain Surgeon's saliency, as SparseGPT selects)
 =============================  ===================  ==========================================================
 
-Example:
+Examples:
     >>> import torch
     >>> from prunekit.importance import get_scorer, ActivationStats
     >>> w = torch.tensor([[1.0, -2.0], [0.5, 3.0]])
@@ -58,7 +58,7 @@ __all__ = [
 def magnitude_score(weight: Tensor) -> Tensor:
     """``|w|`` (float).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.importance import magnitude_score
         >>> magnitude_score(torch.tensor([-3., 1.]))
@@ -70,7 +70,7 @@ def magnitude_score(weight: Tensor) -> Tensor:
 def snip_score(weight: Tensor, grad: Tensor) -> Tensor:
     """``|w * dL/dw|`` (float).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.importance import snip_score
         >>> snip_score(torch.tensor([-3., 1.]), torch.tensor([1., -4.]))
@@ -82,7 +82,7 @@ def snip_score(weight: Tensor, grad: Tensor) -> Tensor:
 def gradient_score(grad: Tensor) -> Tensor:
     """``|dL/dw|`` (float).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.importance import gradient_score
         >>> gradient_score(torch.tensor([-2., 0.5]))
@@ -107,7 +107,7 @@ def _check_2d(weight: Tensor, features: int, name: str) -> None:
 def wanda_score(weight: Tensor, input_norm: Tensor) -> Tensor:
     """``|w_ij| * ||X_j||_2``: Wanda's score of a ``(out, in)`` weight given each input feature's norm.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.importance import wanda_score
         >>> wanda_score(torch.tensor([[1., -2.]]), torch.tensor([3., 0.5]))
@@ -123,7 +123,7 @@ def dampened_hessian(xtx: Tensor, damp: float = 0.01) -> Tensor:
     factorisation. A zero diagonal means the input feature was always zero:
     its weights never matter, and a unit diagonal keeps the matrix invertible.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.importance import dampened_hessian
         >>> dampened_hessian(torch.tensor([[2., 0.], [0., 0.]]), damp=0.5).tolist()
@@ -146,7 +146,7 @@ def obs_score(weight: Tensor, xtx: Tensor, damp: float = 0.01) -> Tensor:
     (up to a factor 1/2). Inputs that were always zero score 0 (their weights
     have no effect).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.importance import obs_score
         >>> obs_score(torch.tensor([[1., 1.]]), torch.tensor([[4., 0.], [0., 1.]]), damp=0.0)

@@ -78,7 +78,7 @@ __all__ = [
 def save_torch(obj: Any, path: Any) -> None:
     """``torch.save(obj, path)`` through the atomic writer (a file object is written directly).
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> p = os.path.join(tempfile.mkdtemp(), "x.pt")
         >>> save_torch({"w": torch.ones(2)}, p)

@@ -25,7 +25,7 @@ def save_compressed(model_or_state_dict: Any, path: Any, *, format: str = "prune
 
     Every file is written by prunekit's atomic writer.
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> from prunekit.io import save_compressed, load_compressed
         >>> w = torch.randn(256, 256)

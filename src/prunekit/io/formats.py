@@ -82,7 +82,7 @@ ENCODINGS: Dict[str, Encoding] = {}
 def register_encoding(enc: Encoding, *, replace: bool = False) -> Encoding:
     """Add a format to the table (tried for reading after those already there).
 
-    Example:
+    Examples:
         >>> from prunekit.io.formats import Encoding, register_encoding, ENCODINGS
         >>> enc = register_encoding(Encoding("example-npz", "numpy's npz (example)", reader="numpy:load"))
         >>> "example-npz" in ENCODINGS
@@ -103,7 +103,7 @@ def register_encoding(enc: Encoding, *, replace: bool = False) -> Encoding:
 def encoding(name: str) -> Encoding:
     """The table entry for ``name`` (or one of its aliases).
 
-    Example:
+    Examples:
         >>> encoding("prunekit").name
         'prunekit-compressed'
     """
@@ -117,7 +117,7 @@ def encoding(name: str) -> Encoding:
 def probe(path: Any) -> Probe:
     """Look at ``path`` safely: refuse non-regular files, read the head, validate a safetensors header.
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> p = os.path.join(tempfile.mkdtemp(), "m.pt"); torch.save({"w": torch.ones(1)}, p)
         >>> pr = probe(p); pr.kind, pr.head[:2], pr.safetensors is None
@@ -146,7 +146,7 @@ def probe(path: Any) -> Probe:
 def save(obj: Any, path: Any, *, format: str = "prunekit-compressed", **options: Any) -> Any:
     """Write ``obj`` at ``path`` in ``format`` (an entry of :data:`ENCODINGS`).
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> p = os.path.join(tempfile.mkdtemp(), "m.safetensors")
         >>> save({"w": torch.zeros(8)}, p, format="safetensors")
@@ -159,7 +159,7 @@ def save(obj: Any, path: Any, *, format: str = "prunekit-compressed", **options:
 def read(path: Any, *, format: Optional[str] = None, **options: Any) -> Tuple[Any, str]:
     """Read ``path``: in ``format``, or in the first format of the table that claims it; ``(data, format)``.
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> p = os.path.join(tempfile.mkdtemp(), "m.pt"); torch.save({"w": torch.ones(2)}, p)
         >>> sd, kind = read(p); kind, sd["w"].tolist()

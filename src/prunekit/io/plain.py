@@ -16,7 +16,7 @@ def write_safetensors(model_or_state_dict: Any, path: Any, *, metadata: Optional
 
     Tensors that share memory are each written whole (the file holds no aliases).
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> from prunekit.io.checkpoint import read_plain_safetensors
         >>> p = os.path.join(tempfile.mkdtemp(), "m.safetensors")

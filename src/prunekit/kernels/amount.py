@@ -26,7 +26,7 @@ def validate_pruning_amount_init(amount: Amount) -> None:
         TypeError: ``amount`` is not a real number (``bool`` counts as int, as in torch).
         ValueError: a negative int, or a float outside ``[0, 1]`` (NaN included).
 
-    Example:
+    Examples:
         >>> from prunekit import validate_pruning_amount_init
         >>> validate_pruning_amount_init(0.3)
         >>> validate_pruning_amount_init(1.5)
@@ -53,7 +53,7 @@ def validate_pruning_amount_init(amount: Amount) -> None:
 def validate_pruning_amount(amount: Amount, tensor_size: int) -> None:
     """Check that an int ``amount`` does not exceed the ``tensor_size`` units available.
 
-    Example:
+    Examples:
         >>> from prunekit import validate_pruning_amount
         >>> validate_pruning_amount(3, tensor_size=10)
         >>> validate_pruning_amount(11, tensor_size=10)
@@ -70,7 +70,7 @@ def validate_pruning_amount(amount: Amount, tensor_size: int) -> None:
 def compute_nparams_to_prune(amount: Amount, tensor_size: int) -> int:
     """Number of units to prune: ``amount`` itself if int, else ``round(amount * tensor_size)``.
 
-    Example:
+    Examples:
         >>> from prunekit import compute_nparams_to_prune
         >>> compute_nparams_to_prune(0.25, 10)   # round(2.5) == 2, half to even
         2

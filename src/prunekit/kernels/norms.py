@@ -35,7 +35,7 @@ NormOrder = Union[int, float, str]
 def validate_norm_order(n: NormOrder) -> None:
     """Raise a ``ValueError``/``TypeError`` for an order that is not a real number, 'fro' or 'nuc'.
 
-    Example:
+    Examples:
         >>> validate_norm_order("fro")
         >>> validate_norm_order("l2")
         Traceback (most recent call last):
@@ -57,7 +57,7 @@ def validate_norm_order(n: NormOrder) -> None:
 def channel_norms(t: Tensor, n: NormOrder, dim: int) -> Tensor:
     """Norm of each slice of ``t`` along ``dim`` (see the module docstring for each order).
 
-    Example:
+    Examples:
         >>> import torch
         >>> w = torch.tensor([[3.0, 4.0], [1.0, 0.0]])
         >>> channel_norms(w, 2, dim=0).tolist()

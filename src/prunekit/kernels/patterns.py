@@ -34,7 +34,7 @@ Patterns
 A layer whose shape does not fit its pattern is reported (``Pattern.check``
 returns the reason) and skipped by the pruners -- never silently mis-pruned.
 
-Example:
+Examples:
     >>> import torch
     >>> from prunekit.kernels.patterns import get_pattern
     >>> p = get_pattern("2:4")
@@ -73,7 +73,7 @@ _NINM = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 def to_2d(t: Tensor) -> Tensor:
     """View a weight as ``(out, prod(kernel) * in)`` with input channels innermost.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.kernels.patterns import to_2d
         >>> to_2d(torch.zeros(8, 3, 5, 5)).shape
@@ -92,7 +92,7 @@ def to_2d(t: Tensor) -> Tensor:
 def from_2d(m: Tensor, shape: Sequence[int]) -> Tensor:
     """Inverse of :func:`to_2d` for a tensor of the original ``shape``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.kernels.patterns import to_2d, from_2d
         >>> w = torch.randn(4, 3, 2, 2)
@@ -129,7 +129,7 @@ def select_lowest(scores: Tensor, k: int) -> Tensor:
     positions are chosen first (:func:`prunekit.kernels.select.select_lowest`),
     so the count is always exactly ``k`` and the choice is the same on every backend.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.kernels.patterns import select_lowest
         >>> select_lowest(torch.tensor([3., 1., 1., 2.]), 2)
@@ -213,7 +213,7 @@ class Pattern:
         """Unit scores for :func:`select_lowest`: ``-inf`` at ``already_pruned`` units (chosen
         first, so a mask only loses ones), ``+inf`` where the group limits forbid pruning.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from prunekit.kernels.patterns import get_pattern
             >>> get_pattern("2:4").ranking(torch.tensor([1., 2., 3., 4.]), torch.tensor([False, False, False, True]))
@@ -231,7 +231,7 @@ class Pattern:
         ``pruned`` (a boolean element mask) marks entries already pruned: they
         stay pruned and count toward ``amount``.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from prunekit.kernels.patterns import get_pattern
             >>> get_pattern("1x2").mask_from_scores(torch.tensor([[1., 2., 9., 9.]]), 1)
@@ -350,7 +350,7 @@ class NInMPattern(Pattern):
 def get_pattern(spec: str) -> Pattern:
     """Parse a pattern string: ``"NxM"``, ``"channelx1"``, ``"1xchannel"`` or ``"N:M"``.
 
-    Example:
+    Examples:
         >>> from prunekit.kernels.patterns import get_pattern
         >>> get_pattern("4x1"), get_pattern("2:4"), get_pattern("1xchannel")
         (NxMPattern('4x1'), NInMPattern('2:4'), ChannelPattern('1xchannel'))

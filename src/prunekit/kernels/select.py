@@ -106,7 +106,7 @@ def keep_mask_smallest_multi(
     ineligible entries come back ``True`` and the caller combines the result
     with its existing mask.
 
-    Example:
+    Examples:
         >>> import torch
         >>> a, b = torch.tensor([0.1, -5.0]), torch.tensor([[2.0, -0.2], [0.3, 9.0]])
         >>> [m.tolist() for m in keep_mask_smallest_multi([a, b], k=3)]
@@ -180,7 +180,7 @@ def _check_nan(counts: Tensor, flat: Tensor, h: Tensor, inf_bucket: int, n_ineli
 def keep_mask_smallest(scores: Tensor, k: int, eligible: Optional[Tensor] = None) -> Tensor:
     """Single-tensor form of :func:`keep_mask_smallest_multi`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> keep_mask_smallest(torch.tensor([3.0, -1.0, 0.5, 2.0]), k=2).tolist()
         [True, False, False, True]
@@ -197,7 +197,7 @@ def select_lowest(values: Tensor, k: int) -> Tensor:
     backend. Only the ``k``-th value is computed (``kthvalue``), never an index
     choice among ties. NaN raises :class:`NaNScoresError`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> select_lowest(torch.tensor([3.0, 1.0, 2.0, 1.0, 1.0]), k=2).tolist()
         [False, True, False, True, False]

@@ -47,7 +47,7 @@ class ShardSpec:
     replica counts it). Otherwise the piece is the slice
     ``offset:offset + length`` of dimension ``dim``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> spec = ShardSpec((4, 3), dim=0, offset=2, length=2)   # rows 2 and 3 of a 4x3 tensor
         >>> spec.local_shape, spec.global_positions(torch.tensor([0, 4])).tolist()

@@ -4,7 +4,7 @@ The format, its hostile reader and its writer live in
 :mod:`prunekit.io.compressed`; :func:`save_compressed` also writes the other
 formats of the table of encodings (``format="compressed-tensors"``, ...).
 
-Example:
+Examples:
     >>> import os, tempfile, torch
     >>> from prunekit.sparse.checkpoint import save_compressed, load_compressed
     >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")

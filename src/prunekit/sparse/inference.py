@@ -59,7 +59,7 @@ _DECISION_CACHE: Dict[Tuple[Any, ...], Tuple[float, Dict[str, float]]] = {}
 def clear_decision_cache() -> None:
     """Forget every cached timing, so the next call measures again.
 
-    Example:
+    Examples:
         >>> from prunekit.sparse import clear_decision_cache
         >>> clear_decision_cache()
     """
@@ -158,7 +158,7 @@ def check_n_m_pattern(weight: torch.Tensor, n: int = 2, m: int = 4) -> Tuple[boo
     Groups run along the last (input) dimension of ``weight`` viewed as 2-D
     ``(out, in)``, which is what semi-structured kernels require.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.sparse import check_n_m_pattern
         >>> check_n_m_pattern(torch.tensor([[1., 0., 2., 0., 0., 3., 0., 4.]]))
@@ -353,7 +353,7 @@ def sparsify_for_inference(
     Returns:
         A :class:`SparsifyReport` with one entry per candidate layer.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> from prunekit.sparse import sparsify_for_inference, restore_dense
         >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
@@ -575,7 +575,7 @@ def restore_dense(model: nn.Module) -> nn.Module:
     ``model`` itself is a sparse module). On any exception,
     ``KeyboardInterrupt`` included, the model is left as it was.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.sparse import sparsify_for_inference, restore_dense
         >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64))

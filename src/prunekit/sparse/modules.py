@@ -77,7 +77,7 @@ def _check_policy(owner: str, kernel: str, threads: int) -> None:
 def policy_name(layout: str, kernel: str, threads: int) -> str:
     """The name of an execution policy: layout, ``-torch`` for torch's kernel, ``-1t`` for one thread.
 
-    Example:
+    Examples:
         >>> from prunekit.sparse.modules import policy_name
         >>> policy_name("csr", "prunekit", 0), policy_name("csr", "torch", 1)
         ('csr', 'csr-torch-1t')
@@ -195,7 +195,7 @@ class _CSRWeight(SparseInferenceModule):
 class CSRLinear(_CSRWeight):
     """A ``Linear`` layer whose weight is stored and multiplied in CSR form.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.sparse.modules import CSRLinear
         >>> lin = torch.nn.Linear(16, 4)
@@ -257,7 +257,7 @@ class CSRLinear(_CSRWeight):
 class CSRConv2d(_CSRWeight):
     """A ``Conv2d`` (``groups=1``, zero padding) computed as unfold + CSR product.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.sparse.modules import CSRConv2d
         >>> conv = torch.nn.Conv2d(3, 8, 3, padding=1)
@@ -346,7 +346,7 @@ class BSRLinear(SparseInferenceModule):
     times. Without the compiled kernels the layer multiplies through its dense
     weight (correct, not fast).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.sparse.modules import BSRLinear
         >>> lin = torch.nn.Linear(16, 8)
@@ -439,7 +439,7 @@ def _dense_linear(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> nn.Line
 def bsr_unsupported_reason(weight: torch.Tensor, block: Tuple[int, int]) -> str:
     """Why a weight cannot be stored in ``block``-sized blocks ('' when it can).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.sparse.modules import bsr_unsupported_reason
         >>> bsr_unsupported_reason(torch.zeros(6, 8), (4, 1))
@@ -471,7 +471,7 @@ def block_fill(weight: torch.Tensor, block: Tuple[int, int]) -> float:
 
     ``0.0`` when the weight cannot be cut into such blocks or is all zero.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.sparse.modules import block_fill
         >>> w = torch.zeros(8, 4); w[:4, 0] = 1
@@ -495,7 +495,7 @@ class ChannelLinear(SparseInferenceModule):
     execution policy for whole-channel sparsity that compaction cannot take
     away (a channel a residual connection still reads, say).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.sparse.modules import ChannelLinear
         >>> lin = torch.nn.Linear(8, 6)

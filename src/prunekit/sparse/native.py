@@ -49,7 +49,7 @@ _state: dict = {"loaded": None, "reason": ""}
 def build_directory() -> Path:
     """Where the compiled library lives: one folder per torch and Python version.
 
-    Example:
+    Examples:
         >>> from prunekit.sparse import native
         >>> native.build_directory().name.startswith("torch-")
         True
@@ -93,7 +93,7 @@ def build(verbose: bool = False) -> Path:
     Needs g++ and ninja. Raises ``RuntimeError`` (from :mod:`torch.utils.cpp_extension`)
     when the compiler fails.
 
-    Example:
+    Examples:
         >>> from prunekit.sparse import native
         >>> native.build().name  # doctest: +SKIP
         'prunekit_sparse_kernels.so'
@@ -150,7 +150,7 @@ def _load() -> bool:
 def available() -> bool:
     """Whether the compiled kernels are built for this machine and loaded.
 
-    Example:
+    Examples:
         >>> from prunekit.sparse import native
         >>> isinstance(native.available(), bool)
         True
@@ -161,7 +161,7 @@ def available() -> bool:
 def unavailable_reason() -> str:
     """Why :func:`available` is ``False`` (``''`` when it is ``True``).
 
-    Example:
+    Examples:
         >>> from prunekit.sparse import native
         >>> native.available() or native.unavailable_reason() != ""
         True

@@ -77,7 +77,7 @@ def candidates(kind: str, module: nn.Module, weight: torch.Tensor, wanted: Seque
                semi_structured_reason: str = "") -> Tuple[Dict[str, Builder], Dict[str, str]]:
     """Which of the ``wanted`` policies can run this layer: ``({name: builder}, {name: why not})``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.sparse.policies import candidates
         >>> lin = torch.nn.Linear(64, 64)
@@ -175,7 +175,7 @@ def measure_in_context(dense: Callable[[], Any], fns: Dict[str, Callable[[], Any
     rotation's), so a change of machine load between rotations cancels out; the dense figure
     is the median over all dense calls.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.sparse.policies import measure_in_context
         >>> a = torch.randn(64, 64)

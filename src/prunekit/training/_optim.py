@@ -73,7 +73,7 @@ def refill_period(optimizer: Any, param: Tensor) -> Optional[int]:
     """Steps after which :data:`TINY` in ``param``'s second moments must be written again
     (``None``: not an Adam-style optimizer, or a ``beta2`` too small for the trick to pay).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.training._optim import refill_period
         >>> p = torch.nn.Parameter(torch.zeros(3))
@@ -118,7 +118,7 @@ def fill_second_moments_(optimizers: Iterable[Any], param: Tensor, keep: Tensor,
     the first moment is 0 (recorded in ``undo``); return the shortest refill period, or ``None``
     if nothing was written.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.training._optim import TINY, fill_second_moments_
         >>> p = torch.nn.Parameter(torch.ones(4)); opt = torch.optim.Adam([p])

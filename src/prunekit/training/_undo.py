@@ -23,7 +23,7 @@ __all__ = ["UndoLog", "zero_where_"]
 class UndoLog:
     """Restore steps, run newest first by :meth:`rollback`.
 
-    Example:
+    Examples:
         >>> from prunekit.training._undo import UndoLog
         >>> seen = []
         >>> log = UndoLog()
@@ -57,7 +57,7 @@ def zero_where_(t: Any, keep: Any, undo: "UndoLog | None") -> None:
     The product changes only non-zero entries where ``keep`` is 0 (a zero times
     0 keeps its sign), so only those are saved.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.training._undo import UndoLog, zero_where_
         >>> t = torch.tensor([1., -2., 0., 3.]); log = UndoLog()

@@ -30,7 +30,7 @@ def check_feasible(budget: int, numel: Sequence[int], lo: Sequence[int], hi: Seq
                    unit_numel: Sequence[int], names: Sequence[str]) -> None:
     """Raise ValueError when no counts within ``[lo, hi]`` can prune ``budget`` weights.
 
-    Example:
+    Examples:
         >>> from prunekit.training.allocation import check_feasible
         >>> check_feasible(90, [100], [0], [80], [1], ["fc"])
         Traceback (most recent call last):
@@ -58,7 +58,7 @@ def local_counts(budget: int, n_units: Sequence[int], unit_numel: Sequence[int],
                  lo: Sequence[int], hi: Sequence[int]) -> List[int]:
     """Per-layer unit counts at a shared ratio, honouring ``lo``/``hi``, summing to ``budget`` weights.
 
-    Example:
+    Examples:
         >>> from prunekit.training.allocation import local_counts
         >>> local_counts(150, [100, 100], [1, 1], [0, 0], [100, 100])
         [75, 75]
@@ -142,7 +142,7 @@ def global_counts(budget: int, unit_scores: Sequence[Tensor], unit_numel: Sequen
     layer first takes its ``lo[i]`` lowest units; the rest of the budget goes
     to the lowest remaining units of layers that have not reached ``hi[i]``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.training.allocation import global_counts
         >>> s = [torch.tensor([1., 2., 3., 4.]), torch.tensor([5., 6., 0.5, 0.7])]

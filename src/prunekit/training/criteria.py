@@ -48,7 +48,7 @@ __all__ = [
 def momentum_update(previous: Optional[Tensor], new: Tensor, beta: float = 0.9, alpha: float = 1.0) -> Tensor:
     """``beta * previous + alpha * new`` (``alpha * new`` when there is no previous score), a new tensor.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.training.criteria import momentum_update
         >>> momentum_update(torch.tensor([1.]), torch.tensor([2.]))
@@ -93,7 +93,7 @@ class ScorerCriterion(Criterion):
     a calibration pass (activation statistics, a Hessian) cannot run during
     training and are refused.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from prunekit.importance import get_scorer
         >>> from prunekit.training.criteria import ScorerCriterion
@@ -186,7 +186,7 @@ CRITERIA: Dict[str, Type[Criterion]] = {
 def get_criterion(name: str) -> Criterion:
     """A fresh criterion by name: one of :data:`CRITERIA`, or any scorer of the importance registry.
 
-    Example:
+    Examples:
         >>> from prunekit.training.criteria import get_criterion
         >>> get_criterion("snip_momentum").needs_grad
         True

@@ -4,7 +4,7 @@ The patterns are pure mask math and live in :mod:`prunekit.kernels.patterns`;
 this module re-exports them so ``from prunekit.training.patterns import
 get_pattern`` keeps working.
 
-Example:
+Examples:
     >>> from prunekit.training.patterns import get_pattern
     >>> from prunekit.kernels import patterns
     >>> get_pattern is patterns.get_pattern

@@ -90,7 +90,7 @@ def select_modules(model: nn.Module, config: Union[PrunerConfig, Mapping[str, An
     ``names`` (``re.search``; all names when empty) and none of
     ``excluded_names``/``extra_excluded_names``.
 
-    Example:
+    Examples:
         >>> import torch.nn as nn
         >>> from prunekit.training import select_modules
         >>> m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
@@ -128,7 +128,7 @@ def explain_empty_selection(model: nn.Module, config: Union[PrunerConfig, Mappin
     ``names`` or ``excluded_names``), the layers available at that point and
     what to write instead.
 
-    Example:
+    Examples:
         >>> import torch.nn as nn
         >>> from prunekit.training.pruners import explain_empty_selection
         >>> m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8, 2))
@@ -165,7 +165,7 @@ def require_modules(model: nn.Module, config: Union[PrunerConfig, Mapping[str, A
     """:func:`select_modules`, but a selection that matches nothing is a ``ValueError``
     (from :func:`explain_empty_selection`) instead of an empty dict.
 
-    Example:
+    Examples:
         >>> import torch.nn as nn
         >>> from prunekit.training.pruners import require_modules
         >>> list(require_modules(nn.Sequential(nn.Linear(4, 4)), {"prune_type": "magnitude"}))
@@ -202,7 +202,7 @@ class Pruner:
     Subclasses set ``criterion_name`` (``"magnitude"``, ``"snip"``,
     ``"snip_momentum"``, ``"gradient"``) or override :meth:`layer_scores`.
 
-    Example:
+    Examples:
         >>> import torch, torch.nn as nn
         >>> from prunekit.training import MagnitudePruner
         >>> _ = torch.manual_seed(0); fc = nn.Linear(8, 4)
@@ -509,7 +509,7 @@ class Pruner:
         class's: a subclass that overrides one is never idle). The optimizer hooks then skip
         the callbacks and only advance the step counters.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from prunekit.training import get_pruner
             >>> p = get_pruner({"0": torch.nn.Linear(4, 4)}, {"prune_type": "magnitude", "pattern": "1x1",
@@ -775,7 +775,7 @@ def _modules_backend(modules: Mapping[str, Any], where: str) -> Backend:
 def get_pruner(modules: Union[Mapping[str, nn.Module], nn.Module], config: Union[PrunerConfig, Mapping[str, Any]]) -> Pruner:
     """The registered pruner named by ``config``'s ``prune_type``, built on ``modules``.
 
-    Example:
+    Examples:
         >>> import torch.nn as nn
         >>> from prunekit.training import get_pruner
         >>> get_pruner({"fc": nn.Linear(8, 4)}, {"prune_type": "snip", "pattern": "1x4"}).pattern

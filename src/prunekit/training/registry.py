@@ -19,7 +19,7 @@ T = TypeVar("T", bound=type)
 def did_you_mean(word: str, choices) -> str:
     """``" Did you mean 'x'?"`` for the closest of ``choices``, or ``""``.
 
-    Example:
+    Examples:
         >>> from prunekit.training.registry import did_you_mean
         >>> did_you_mean("magnitde", ["magnitude", "snip"])
         " Did you mean 'magnitude'?"
@@ -33,7 +33,7 @@ def register_pruners(name: str) -> Callable[[T], T]:
 
     Registering a name twice replaces the earlier class (a warning is logged).
 
-    Example:
+    Examples:
         >>> from prunekit.training import Pruner, register_pruners
         >>> @register_pruners("keep_first_rows")
         ... class KeepFirstRows(Pruner):
@@ -62,7 +62,7 @@ def register_pruners(name: str) -> Callable[[T], T]:
 def get_pruner_class(name: str) -> Type:
     """The class registered as ``name``; ValueError with the known names otherwise.
 
-    Example:
+    Examples:
         >>> from prunekit.training.registry import get_pruner_class
         >>> get_pruner_class("snip").__name__
         'SnipPruner'

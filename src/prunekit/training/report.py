@@ -76,7 +76,7 @@ def sparsity_report(model: nn.Module, layers: Optional[Mapping[str, Optional[Any
     as zero, and the ``*_all`` totals count every parameter once (tied ones
     too), exactly as :func:`prunekit.report.model_report` counts them.
 
-    Example:
+    Examples:
         >>> import torch, torch.nn as nn, prunekit
         >>> from prunekit.training import sparsity_report
         >>> m = nn.Sequential(nn.Linear(4, 4))

@@ -72,7 +72,7 @@ DECAY_TYPES: Dict[str, Callable[[float, float, float], float]] = {
 def decay(kind: str, initial: float, target: float, progress: float) -> float:
     """Sparsity of a ``kind`` schedule at ``progress`` in [0, 1].
 
-    Example:
+    Examples:
         >>> from prunekit.training.schedules import decay
         >>> round(decay("cube", 0.0, 0.8, 0.5), 12)   # 0.8 + (0 - 0.8) * 0.5**3
         0.7
@@ -110,7 +110,7 @@ class Scheduler:
     def update_steps(self) -> List[int]:
         """Every step at which masks change, in order.
 
-        Example:
+        Examples:
             >>> from prunekit.training.schedules import IterativeScheduler
             >>> IterativeScheduler(0, 10, 0.5, update_frequency_on_step=4).update_steps()
             [0, 4, 8, 10]
@@ -121,7 +121,7 @@ class Scheduler:
 class OneshotScheduler(Scheduler):
     """All of the target at ``start_step`` (== ``end_step``).
 
-    Example:
+    Examples:
         >>> from prunekit.training.schedules import OneshotScheduler
         >>> s = OneshotScheduler(3, 3, 0.75)
         >>> [s.sparsity(t) for t in (2, 3, 9)], s.is_update_step(3)
@@ -139,7 +139,7 @@ class OneshotScheduler(Scheduler):
 class IterativeScheduler(Scheduler):
     """Gradual schedule from ``initial_sparsity`` to ``target_sparsity``.
 
-    Example:
+    Examples:
         >>> from prunekit.training.schedules import IterativeScheduler
         >>> s = IterativeScheduler(0, 4, 0.8, decay_type="linear")
         >>> [round(s.sparsity(t), 6) for t in range(5)]
@@ -175,7 +175,7 @@ def get_scheduler(
 ) -> Scheduler:
     """One-shot when ``start_step == end_step``, iterative otherwise.
 
-    Example:
+    Examples:
         >>> from prunekit.training.schedules import get_scheduler
         >>> type(get_scheduler(5, 5, 0.5)).__name__, type(get_scheduler(0, 9, 0.5)).__name__
         ('OneshotScheduler', 'IterativeScheduler')

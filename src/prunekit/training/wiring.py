@@ -67,7 +67,7 @@ class PruningCallbacks:
     pruners: if any pruner fails (``KeyboardInterrupt`` included), every
     pruner's masks, weights, gradients and optimizer state are put back.
 
-    Example:
+    Examples:
         >>> import torch, torch.nn as nn
         >>> from prunekit.training import prepare_pruning
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
@@ -96,7 +96,7 @@ class PruningCallbacks:
         transactions join the outermost one. Each event already is one; use this to
         make several calls one.
 
-        Example:
+        Examples:
             >>> import torch.nn as nn
             >>> from prunekit.training import prepare_pruning
             >>> model = nn.Sequential(nn.Linear(8, 8))
@@ -352,7 +352,7 @@ def prepare_pruning(model: nn.Module, config: Any = None,
     On any error (bad config, unreachable target, a layer selected twice, an
     interrupt) the model and the optimizer are left exactly as they were.
 
-    Example:
+    Examples:
         >>> import torch, torch.nn as nn
         >>> from prunekit.training import prepare_pruning
         >>> _ = torch.manual_seed(0)

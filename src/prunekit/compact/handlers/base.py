@@ -217,7 +217,7 @@ def register_handler(
     :class:`TracerAPI`. Types are looked up along the module's MRO; a ``predicate``
     matches modules by their attributes (e.g. any class with ``query``/``key``/``value``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from prunekit.compact import Entry, ModuleHandler, REGISTRY, Slot, register_handler

@@ -46,7 +46,7 @@ def affine_row_values(
     channel of known value (``in_values``, NaN: unknown). ``position_dependent``: zero
     padding would make a non-zero constant input vary across positions (a padded conv).
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> lin = torch.nn.Linear(2, 3)
         >>> _ = torch.nn.init.constant_(lin.bias, 0.5)

@@ -113,7 +113,7 @@ def _split(q: nn.Module, k: nn.Module, v: nn.Module, head_dim: int, v_dim: Optio
 def layout_of(m: nn.Module) -> Optional[Layout]:
     """The :class:`Layout` of a supported attention module, or None.
 
-    Example:
+    Examples:
         >>> import torch
         >>> class Attn(torch.nn.Module):  # the Llama naming: q/k/v/o_proj and head_dim
         ...     def __init__(self):
