@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 KERNEL_SRC   := src/prunekit/sparse/csrc/linear.cpp
 KERNEL_STAMP := src/prunekit/sparse/csrc/build/.built
 
-.PHONY: test lint demo bench clean kernels docs docs-check
+.PHONY: test test-fast lint demo bench clean kernels docs docs-check
 
 $(STAMP): pyproject.toml setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,11 +19,13 @@ $(STAMP): pyproject.toml setup.py Makefile
 	$(PIP) install -q -e ".[test]" "$(TORCH)"
 	touch $(STAMP)
 
-# Static checks (configured in pyproject.toml); `make test` runs them first, so CI does too.
+# Static checks (configured in pyproject.toml): ruff, the import contracts, the private-name check and the
+# size limits (tools/check_sizes.py); `make test` runs them first, so CI does too.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples tools setup.py
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) tools/check_private_imports.py src/prunekit
+	$(PY) tools/check_sizes.py src/prunekit
 
 $(KERNEL_STAMP): $(STAMP) $(KERNEL_SRC) src/prunekit/sparse/native.py
 	$(PY) -c "from prunekit.sparse import native; print('built', native.build())"
@@ -31,8 +33,13 @@ $(KERNEL_STAMP): $(STAMP) $(KERNEL_SRC) src/prunekit/sparse/native.py
 
 kernels: $(KERNEL_STAMP)
 
+# Everything CI runs: lint, the docs site and its browser check, every test (markers: pyproject.toml)
 test: lint $(KERNEL_STAMP)
 	$(PY) -m pytest tests
+
+# The quick selection while working: no slow or multi-process tests
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -m "not slow and not distributed"
 
 demo: $(STAMP)
 	$(PY) examples/quickstart.py

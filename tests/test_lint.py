@@ -70,3 +70,19 @@ def test_torch_fault_companions_skip_once_torch_is_fixed():
     torch_still(True, "a fault")
     with pytest.raises(pytest.skip.Exception, match="a fault"):
         torch_still(False, "a fault")
+
+
+def test_the_size_check_refuses_a_new_long_function_and_a_grown_module(tmp_path):
+    pkg = copy_package(tmp_path)
+    check = [sys.executable, str(ROOT / "tools" / "check_sizes.py"), str(pkg),
+             "--baseline", str(ROOT / "tools" / "size_baseline.txt")]
+    ok = subprocess.run(check, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout
+    body = "\n".join(f"    x{i} = {i}" for i in range(101))
+    (pkg / "kernels" / "long.py").write_text(f"def too_long():\n{body}\n")
+    reparam = pkg / "reparam.py"
+    reparam.write_text(reparam.read_text() + "\n# one more line\n")
+    bad = subprocess.run(check, capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "prunekit/kernels/long.py::too_long: function of 102 lines (limit 100): split it" in bad.stdout
+    assert "prunekit/reparam.py: module grew from" in bad.stdout

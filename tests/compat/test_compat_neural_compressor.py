@@ -65,7 +65,7 @@ def batches(n, seed=0, size=2):
     return [(torch.rand(size, 3, 32, 32, generator=g), torch.randint(0, 10, (size,), generator=g)) for _ in range(n)]
 
 
-# the YAML of Neural Compressor's own test for its experimental PyTorch pruner (issue 15)
+# the YAML of Neural Compressor's own test for its experimental PyTorch pruner
 NC1_YAML = """
 model: {name: imagenet_prune, framework: pytorch}
 pruning:

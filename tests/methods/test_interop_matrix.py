@@ -1,4 +1,4 @@
-"""Pruned models go wherever dense models go (issue 18): the write rule and the compatibility matrix.
+"""Pruned models go wherever dense models go: the write rule and the compatibility matrix.
 
 Every row prunes a small conv + batchnorm + linear model (or one layer) with
 ``l1_unstructured`` and checks the operation's result against the

@@ -2,7 +2,6 @@
 
 import copy
 import os
-import sys
 
 import pytest
 import torch
@@ -200,7 +199,6 @@ def test_a_failure_midway_leaves_the_model_as_it_was(monkeypatch, exc):
 
 
 # ------------------------------------------------------------------ the real MiniLM-L6
-sys.path.insert(0, os.path.dirname(__file__))
 from oneshot_text import calibration_and_evaluation  # noqa: E402
 
 

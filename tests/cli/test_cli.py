@@ -16,8 +16,7 @@ import prunekit
 from prunekit.cli import main
 from prunekit.sparse import load_compressed, native, save_compressed
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where cli_models.py is
 import cli_models  # noqa: E402
 
 CNN = os.path.join(HERE, "cli_models.py") + ":make_cnn"
@@ -345,7 +344,7 @@ def test_sparsify_needs_weights(capsys):
     assert_one_line_error(code, err, 2, "--weights")
 
 
-# --------------------------------------------------------------------- issue 7's bad arguments, every subcommand
+# --------------------------------------------------------------------- bad arguments, every subcommand
 # (subcommand arguments, expected one-line message); {missing} and {pickle} are filled in per test
 _SHAPES = {"compact": ["--input-shape", "2,3,8,8"], "sparsify": ["--input-shape", "2,3,8,8"]}
 BAD_ARGUMENTS = [

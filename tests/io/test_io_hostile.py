@@ -1,4 +1,4 @@
-"""Compressed checkpoints are read as hostile input (issue 10 item 4).
+"""Compressed checkpoints are read as hostile input.
 
 Every malformed file raises CorruptCheckpointError (a ValueError) naming the
 path and the reason; work is bounded; non-regular files are refused before

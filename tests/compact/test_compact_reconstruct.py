@@ -1,4 +1,4 @@
-"""Structured one-shot pruning from calibration data with least-squares reconstruction (issue 14, item 4)."""
+"""Structured one-shot pruning from calibration data with least-squares reconstruction."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Export to the compressed-tensors layout, loaded back through compressed-tensors itself (issue 12 item 4)."""
+"""Export to the compressed-tensors layout, loaded back through compressed-tensors itself."""
 
 import json
 import os

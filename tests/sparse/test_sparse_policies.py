@@ -289,7 +289,7 @@ def test_conv_runs_on_the_compiled_kernel():
 
 
 # --------------------------------------------------------------------------- #
-# all or nothing (issue 10)
+# all or nothing
 # --------------------------------------------------------------------------- #
 def _state(model):
     return ([(n, type(m), id(m), m.training) for n, m in model.named_modules()],

@@ -1,4 +1,4 @@
-"""The one atomic writer behaves like a careful torch.save (issue 10 item 5)."""
+"""The one atomic writer behaves like a careful torch.save."""
 
 import errno
 import json

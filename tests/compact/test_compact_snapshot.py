@@ -21,7 +21,7 @@ from torch import nn
 from prunekit.compact import build_dependency_graph
 from compact_models import MLP, DWSeparable, EncoderBlock, ResNetLike
 
-SNAPSHOT = Path(__file__).parent / "data" / "compact_graph_snapshot.json"
+SNAPSHOT = Path(__file__).parents[1] / "data" / "compact_graph_snapshot.json"
 
 
 class _Einsum(nn.Module):

@@ -1,4 +1,4 @@
-"""Compaction from masks placed anywhere (issue 14, item 1): one propagation decides what is dead.
+"""Compaction from masks placed anywhere: one propagation decides what is dead.
 
 A channel goes when nothing reads it, when its value is provably zero, or when it is a
 provable constant a reader folds exactly into its bias; every masked channel that stays

@@ -1,4 +1,4 @@
-"""Failure atomicity of compaction's mutating functions (issue 10).
+"""Failure atomicity of compaction's mutating functions.
 
 ``prune_groups`` and ``compact(inplace=True)`` get a failure injected at every step
 that changes the model -- an ordinary exception and a ``KeyboardInterrupt`` -- and the
