@@ -25,8 +25,10 @@ docs/distributed-checkpoints.md for what is checked and what is never loaded.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Dict, Mapping, Optional, Union
+import warnings
+from typing import Any, Dict, Iterator, Mapping, Optional, Union
 
 import torch.distributed as dist
 from torch import nn
@@ -54,6 +56,15 @@ def _state(model: nn.Module, pruning: Optional[Any], extra: Mapping[str, Any]) -
 
 def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process: that is what prunekit asks for."""
+    with warnings.catch_warnings():
+        if _no_dist():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _from_dcp(e: BaseException, folder: str, doing: str) -> BaseException:
@@ -141,7 +152,8 @@ def save(checkpoint_id: PathLike, model: nn.Module, pruning: Optional[Any] = Non
     where = agree(error, user, payload=tmp)[0]
     try:
         try:
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(where, sync_files=True), no_dist=_no_dist())
+            with _single_process_quiet():
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(where, sync_files=True), no_dist=_no_dist())
         except CheckpointException as e:
             error = _from_dcp(e, user, "writing the checkpoint")
         except BaseException as e:
@@ -228,8 +240,9 @@ def load(checkpoint_id: PathLike, model: nn.Module, pruning: Optional[Any] = Non
     agree(error, folder)
     assert staged is not None
     try:
-        dcp.load(staged.flat, storage_reader=VerifiedReader(folder, meta, stamps), planner=SafeLoadPlanner(folder),
-                 no_dist=_no_dist())
+        with _single_process_quiet():
+            dcp.load(staged.flat, storage_reader=VerifiedReader(folder, meta, stamps),
+                     planner=SafeLoadPlanner(folder), no_dist=_no_dist())
     except CheckpointException as e:  # collective: every rank has it
         raise _from_dcp(e, folder, "reading the checkpoint") from None
     reached = False

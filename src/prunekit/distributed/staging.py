@@ -199,6 +199,9 @@ class StagedLoad:
     def add_extra(self, extra: Mapping[str, Any]) -> None:
         """Stage the extra entries: tensors and mappings load in place, stateful objects through their state dicts."""
         for top, obj in extra.items():
+            if top in ("model", "pruning"):
+                raise DistributedCheckpointError(
+                    f"{self.folder}: extra entry {top!r} would overwrite the {top} entry; name it differently")
             if not isinstance(obj, (Tensor, Mapping, list)) and _is_stateful(obj):
                 state = obj.state_dict()
                 for flat, _, _, value in flat_leaves(state, (top,)):
