@@ -268,6 +268,55 @@ def test_interrupt_while_applying_leaves_the_model_unchanged(saved, monkeypatch)
         assert _same(_state(target, note), before)
 
 
+def _trained(model, seed):
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    torch.manual_seed(seed)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 6)).square().sum().backward()
+        opt.step()
+    return opt
+
+
+def _opt_state(opt):
+    return [(k, v.clone() if torch.is_tensor(v) else v) for k, v in
+            ((f"{i}.{n}", t) for i, st in opt.state_dict()["state"].items() for n, t in st.items())]
+
+
+def test_optimizer_round_trip_and_undo_after_everything_was_applied(tmp_path, monkeypatch):
+    model = _model()
+    opt = _trained(model, 0)
+    path = str(tmp_path / "ckpt")
+    prunekit.distributed.save(path, model, optim=opt, note={"step": 3})
+    # an interrupt at the very last step (every rank agreeing that all is applied) puts everything back
+    target = _model(seed=4)
+    target_opt = _trained(target, 1)
+    note = {"step": 0}
+    before, opt_before = _state(target, note), _opt_state(target_opt)
+    import prunekit.distributed.checkpoint as ckpt
+
+    real_agree, calls = ckpt.agree, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # manifest, preparation, commit
+            raise KeyboardInterrupt
+        return real_agree(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "agree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prunekit.distributed.load(path, target, optim=target_opt, note=note)
+    assert len(calls) == 3
+    assert _same(_state(target, note), before)
+    after = _opt_state(target_opt)
+    assert [k for k, _ in after] == [k for k, _ in opt_before]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(after, opt_before))
+    monkeypatch.setattr(ckpt, "agree", real_agree)
+    prunekit.distributed.load(path, target, optim=target_opt, note=note)
+    assert note == {"step": 3} and _same(_state(target), _state(model))
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(_opt_state(target_opt), _opt_state(opt)))
+
+
 def test_checkpoint_that_does_not_fit_changes_nothing(saved):
     path, _ = saved
     torch.manual_seed(1)
