@@ -632,3 +632,136 @@ def save_compressed_sharded(rank: int, world: int) -> None:
             assert rank == 0 or "failed to write" in str(e), str(e)
         else:
             raise AssertionError("a failed write went unreported")
+
+
+# ----------------------------------------------------------------- verified checkpoints
+def _pruned_sharded_net() -> nn.Module:
+    torch.manual_seed(0)
+    model = _shard_net(_net())
+    prunekit.global_unstructured([(model[i], "weight") for i in (0, 2, 5)], prunekit.L1Unstructured, amount=0.6)
+    prunekit.ln_structured(model[7], "weight", 1, 2, 0, mask_dtype=torch.bool)
+    return model
+
+
+def _local_state(model: nn.Module):
+    """Everything a failed load must leave as it was: this rank's values, and which tensors are pruned."""
+    values = {k: (v.to_local() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+    return values, [(type(m).__name__, sorted(prunekit.reparam.pruned_names(m))) for m in model.modules()]
+
+
+def _assert_unchanged(model: nn.Module, before, what: str) -> None:
+    values, pruned = _local_state(model)
+    assert pruned == before[1], f"{what}: the model was reparameterized: {pruned}"
+    assert list(values) == list(before[0]), f"{what}: state dict keys changed: {list(values)}"
+    for k, v in values.items():
+        assert torch.equal(v, before[0][k]), f"{what}: {k} changed"
+
+
+def _refused(path: str, model: nn.Module, kind, words: str, **extra) -> str:
+    import os
+
+    try:
+        prunekit.distributed.load(path, model, **extra)
+    except kind as e:
+        assert str(e).startswith(os.path.realpath(path)), str(e)
+        assert words in str(e), str(e)
+        return str(e)
+    raise AssertionError(f"a load that must fail ({words}) succeeded")
+
+
+def dcp_verified_round_trip(rank: int, world: int) -> None:
+    """save writes a manifest last; saving over a checkpoint replaces it whole; a fresh model loads it exactly."""
+    import os
+
+    model = _pruned_sharded_net()
+    with _SharedDir() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        prunekit.distributed.save(path, _shard_net(_net()))  # an older checkpoint at the same place
+        prunekit.distributed.save(path, model, note={"step": 7, "lr": torch.tensor([0.5, 0.25])})
+        if rank == 0:
+            assert sorted(os.listdir(tmp)) == ["ckpt"], os.listdir(tmp)  # no temporary or replaced folder left
+            assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                "prunekit-manifest.json"], os.listdir(path)
+        dist.barrier()
+        torch.manual_seed(1)
+        fresh = _shard_net(_net())
+        note = {"step": 0, "lr": torch.zeros(2)}
+        prunekit.distributed.load(path, fresh, note=note)
+    assert note["step"] == 7 and torch.equal(note["lr"], torch.tensor([0.5, 0.25])), note
+    for i in (0, 2, 5, 7):
+        for key in ("weight_orig", "weight_mask", "bias"):
+            a, b = getattr(model[i], key), getattr(fresh[i], key)
+            assert isinstance(b, DTensor) and b.dtype == a.dtype, (i, key)
+            assert torch.equal(a.to_local(), b.to_local()), (i, key)
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.equal(model(x), fresh(x))
+
+
+def dcp_damaged_shard(rank: int, world: int) -> None:
+    """A bit flipped, a shard missing or truncated on one rank's file: every rank refuses, no model changes."""
+    import os
+
+    model = _pruned_sharded_net()
+    with _SharedDir() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        prunekit.distributed.save(path, model)
+        shard = os.path.join(path, "__1_0.distcp")
+        original = b""
+        if rank == 1:
+            with open(shard, "rb") as f:
+                original = f.read()
+        cases = [("bit flip", lambda b: b[:-300] + bytes([b[-300] ^ 0x10]) + b[-299:], "does not match the manifest"),
+                 ("truncated", lambda b: b[: len(b) // 2], "truncated or altered"),
+                 ("missing", None, "is missing")]
+        for what, damage, words in cases:
+            if rank == 1:
+                if damage is None:
+                    os.unlink(shard)
+                else:
+                    with open(shard, "wb") as f:
+                        f.write(damage(original))
+            dist.barrier()
+            torch.manual_seed(1)
+            fresh = _shard_net(_net())
+            before = _local_state(fresh)
+            msg = _refused(path, fresh, prunekit.distributed.CorruptDistributedCheckpointError, words)
+            # the flip is found by the rank that hashes rank 1's shard; the other ranks are told which one
+            assert "__1_0.distcp" in msg and (rank == 1 or damage is None or what != "bit flip"
+                                             or "(on rank 1)" in msg), msg
+            _assert_unchanged(fresh, before, what)
+            # a pruned target is left as it was too (its masks and values)
+            target = _pruned_sharded_net()
+            before = _local_state(target)
+            _refused(path, target, prunekit.distributed.CorruptDistributedCheckpointError, words)
+            _assert_unchanged(target, before, what + ", pruned target")
+            dist.barrier()
+            if rank == 1:
+                with open(shard, "wb") as f:
+                    f.write(original)
+            dist.barrier()
+        fresh = _shard_net(_net())
+        prunekit.distributed.load(path, fresh)  # restored: loads again
+        assert torch.equal(fresh[0].weight_mask.to_local(), model[0].weight_mask.to_local())
+
+
+def dcp_one_rank_fails(rank: int, world: int) -> None:
+    """A failure on one rank only -- while reading, or after the others have committed -- changes no rank's model."""
+    import os
+
+    model = _pruned_sharded_net()
+    with _SharedDir() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        prunekit.distributed.save(path, model, note={"step": 7})
+        # reading: rank 1 asks for an entry the checkpoint does not have (DCP's planning fails there)
+        fresh = _shard_net(_net())
+        before = _local_state(fresh)
+        extra = {"note": {"step": 0}} if rank == 0 else {"note": {"step": 0, "absent": torch.zeros(2)}}
+        _refused(path, fresh, prunekit.distributed.DistributedCheckpointError, "absent", **extra)
+        _assert_unchanged(fresh, before, "read failure")
+        assert extra["note"]["step"] == 0
+        # committing: rank 1's target has a tensor where the checkpoint holds a number; rank 0 has already
+        # applied everything when it learns, and puts it all back
+        note = {"step": 0} if rank == 0 else {"step": torch.zeros(1)}
+        _refused(path, fresh, prunekit.distributed.DistributedCheckpointError, "not a tensor", note=note)
+        _assert_unchanged(fresh, before, "commit failure on the other rank")
+        assert rank == 1 or note == {"step": 0}, note

@@ -32,9 +32,11 @@ from torch import nn
 from .. import _sharded
 from .checkpoint import load, save
 from .compressed import save_compressed
+from .errors import CorruptDistributedCheckpointError, DistributedCheckpointError, UnsafeDistributedCheckpointError
 from .layout import is_dtensor
 
-__all__ = ["GroupComm", "is_dtensor", "load", "remask", "save", "save_compressed", "shard_masks"]
+__all__ = ["CorruptDistributedCheckpointError", "DistributedCheckpointError", "GroupComm", "UnsafeDistributedCheckpointError",
+           "is_dtensor", "load", "remask", "save", "save_compressed", "shard_masks"]
 
 
 def __getattr__(name: str) -> Any:
