@@ -112,15 +112,29 @@ def _check_mha_init(original: nn.Module, init: Dict[str, Any]) -> None:
             raise _Bad(f"init {k!r} must be {want!r} (compaction never changes it), got {v!r}")
 
 
+def _mha_init_from_tensors(init: Dict[str, Any], tensors: Mapping[str, Any]) -> Dict[str, Any]:
+    """``embed_out`` is the rows of ``out_proj.weight``: compaction records the unpruned width there when
+    it prunes the attention's outputs (its ``out_proj`` keeps its old ``out_features``)."""
+    w = tensors.get("out_proj.weight")
+    if isinstance(w, (list, tuple)) and len(w) == 2 and "embed_out" in init:
+        return {**init, "embed_out": w[0]}
+    return init
+
+
 #: per replacement class, the check of its constructor arguments against the module it replaces
 INIT_CHECKS: Dict[type, Callable[[nn.Module, Dict[str, Any]], None]] = {PrunedMultiheadAttention: _check_mha_init}
+#: per replacement class, the constructor arguments that the described tensor shapes decide
+INIT_FROM_TENSORS: Dict[type, Callable[[Dict[str, Any], Mapping[str, Any]], Dict[str, Any]]] = {
+    PrunedMultiheadAttention: _mha_init_from_tensors}
 
 
 def _numel(module: nn.Module) -> int:
     return sum(t.numel() for t in list(module.parameters()) + list(module.buffers()))
 
 
-def _replacement(original: nn.Module, name: str, cls_name: str, init: Any) -> Tuple[type, nn.Module]:
+def _replacement(original: nn.Module, name: str, cls_name: str, init: Dict[str, Any], tensors: Mapping[str, Any]
+                 ) -> Tuple[type, Dict[str, Any], nn.Module]:
+    """The class, the constructor arguments and a ``meta``-device instance of a checked replacement."""
     cls = REPLACEMENTS.get(cls_name)
     if cls is None:
         raise _Bad(f"class {cls_name!r} is not one compaction puts in a model; only {sorted(REPLACEMENTS)} are")
@@ -136,6 +150,7 @@ def _replacement(original: nn.Module, name: str, cls_name: str, init: Any) -> Tu
     required = sorted(n for n in named if params[n].default is inspect.Parameter.empty and n not in init)
     if unknown or required:
         raise _Bad(f"init of {cls_name} takes {sorted(named)}; unknown {unknown}, missing {required}")
+    init = INIT_FROM_TENSORS.get(cls, lambda i, t: i)(dict(init), tensors)
     check = INIT_CHECKS.get(cls)
     if check is None:
         raise _Bad(f"class {cls_name} has no check of its constructor arguments in "
@@ -149,7 +164,7 @@ def _replacement(original: nn.Module, name: str, cls_name: str, init: Any) -> Tu
     if _numel(meta) > _numel(original):
         raise _Bad(f"init {init!r} asks for {_numel(meta)} elements, more than the {_numel(original)} of the module "
                    "it replaces (compaction only removes)")
-    return cls, meta
+    return cls, init, meta
 
 
 # ----------------------------------------------------------------------------- sizes from shapes
@@ -209,18 +224,30 @@ def _expected_attrs(handler: ModuleHandler, module: nn.Module, shape_of: Callabl
     a = handler.attrs(module, {**base, **known})
     if not unknown:
         return a, set(a)
-    try:  # an attribute that moves when an undetermined size moves is not determined by the shapes
-        b = handler.attrs(module, {**base, **known, **{s: base[s] + 1 for s in unknown}})
-    except Exception:
-        return a, set()
-    return a, {k for k in a if k in b and _norm(a[k]) == _norm(b[k])}
+    exact = set(a)
+    # an attribute that moves when an undetermined size moves is not determined by the shapes: probe with
+    # the undetermined sizes doubled and halved (far enough apart for sizes counted in heads or groups)
+    for probe in ({s: 2 * base[s] + 1 for s in unknown}, {s: base[s] // 2 for s in unknown}):
+        try:
+            b = handler.attrs(module, {**base, **known, **probe})
+        except Exception:
+            return a, set()
+        exact &= {k for k in a if k in b and _norm(a[k]) == _norm(b[k])}
+    return a, exact
 
 
 # ----------------------------------------------------------------------------- invariants of layers
-def _invariants(o: nn.Module, attr: Callable[[str], Any], shape: Callable[[str], Optional[Tuple[int, ...]]]) -> None:
+_AttrOf = Callable[[nn.Module, str], Any]
+_ShapeOf = Callable[[nn.Module, str], Optional[Tuple[int, ...]]]
+
+
+def _invariants(o: nn.Module, attr_of: _AttrOf, shape_of: _ShapeOf) -> None:
     """Refuse a layer whose size attributes and tensor shapes disagree (after the planned changes)."""
+    def attr(leaf: str) -> Any:
+        return attr_of(o, leaf)
+
     def want(leaf: str, expected: Tuple[int, ...], what: str) -> None:
-        got = shape(leaf)
+        got = shape_of(o, leaf)
         if got is not None and tuple(got[: len(expected)]) != tuple(expected):
             raise _Bad(f"{type(o).__name__}'s {leaf} would have shape {list(got)}, and its {what} say {list(expected)}")
 
@@ -248,9 +275,37 @@ def _invariants(o: nn.Module, attr: Callable[[str], Any], shape: Callable[[str],
         want("bias", tuple(attr("normalized_shape")), "normalized_shape")
     elif isinstance(o, nn.Embedding):
         want("weight", (attr("num_embeddings"), attr("embedding_dim")), "num_embeddings/embedding_dim")
-    elif type(o).__name__ == "Conv1D" and isinstance(getattr(o, "nf", None), int) and isinstance(getattr(o, "nx", None), int):
+    elif _is_conv1d(o):
         want("weight", (attr("nx"), attr("nf")), "nx/nf")
         want("bias", (attr("nf"),), "nf")
+    _head_invariants(o, attr_of)
+
+
+def _is_conv1d(o: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (a Linear with its weight transposed: ``nx`` inputs, ``nf`` outputs)."""
+    return type(o).__name__ == "Conv1D" and type(getattr(o, "nf", None)) is int and type(getattr(o, "nx", None)) is int
+
+
+def _first_int(o: nn.Module, attr_of: _AttrOf, names: Tuple[str, ...]) -> Optional[Tuple[str, int]]:
+    for n in names:
+        if type(getattr(o, n, None)) is int:
+            return n, attr_of(o, n)
+    return None
+
+
+def _head_invariants(o: nn.Module, attr_of: _AttrOf) -> None:
+    """Attention: heads times the head size is the width of all heads; GPT-2's fused q/k/v is three of it."""
+    heads = _first_int(o, attr_of, ("num_heads", "num_attention_heads", "n_heads"))
+    size = _first_int(o, attr_of, ("attention_head_size", "head_dim", "key_value_proj_dim"))
+    total = _first_int(o, attr_of, ("all_head_size", "split_size", "inner_dim"))
+    if heads and size and total and heads[1] * size[1] != total[1]:
+        raise _Bad(f"{type(o).__name__} would have {heads[0]}={heads[1]} heads of {size[0]}={size[1]}, "
+                   f"and {total[0]}={total[1]}")
+    c_attn = getattr(o, "c_attn", None)
+    if (total and total[0] == "split_size" and not getattr(o, "is_cross_attention", False)
+            and isinstance(c_attn, nn.Module) and _is_conv1d(c_attn) and attr_of(c_attn, "nf") != 3 * total[1]):
+        raise _Bad(f"{type(o).__name__}'s fused c_attn would have nf={attr_of(c_attn, 'nf')}, three times "
+                   f"split_size={total[1]} is {3 * total[1]}")
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -298,8 +353,8 @@ class _Planner:
         step = _Step(mname)
         module = original
         if entry.get("class"):
-            step.replacement, step.meta = _replacement(original, mname, entry["class"], entry.get("init", {}))
-            step.init = dict(entry.get("init", {}))
+            step.replacement, step.init, step.meta = _replacement(original, mname, entry["class"],
+                                                                  entry.get("init", {}), entry.get("tensors", {}))
             module = step.meta
         elif entry.get("init"):
             raise _Bad("'init' is given without 'class'")
@@ -364,6 +419,7 @@ class _Planner:
             if _norm(self.attr(owner, leaf)) != _norm(expected[path]):
                 raise _Bad(f"attribute {path!r} would be {_norm(self.attr(owner, leaf))!r}, and the tensors' new "
                            f"shapes make it {_norm(expected[path])!r}")
+        self.owners[id(module)] = module
         for path in list(tensors) + list(attrs):
             owner, _ = _resolve(module, path)
             self.owners[id(owner)] = owner
@@ -377,7 +433,7 @@ class _Planner:
 
     def finish(self) -> None:
         for o in self.owners.values():
-            _invariants(o, lambda leaf, o=o: self.attr(o, leaf), lambda leaf, o=o: self.shape(o, leaf))
+            _invariants(o, self.attr, self.shape)
 
 
 def plan_rebuild(model: nn.Module, description: Mapping[str, Any], *, where: str = "compaction description",
