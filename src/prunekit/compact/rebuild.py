@@ -29,6 +29,7 @@ copied), so a failure -- ``KeyboardInterrupt`` included -- puts the model back.
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
@@ -157,7 +158,8 @@ def _replacement(original: nn.Module, name: str, cls_name: str, init: Dict[str, 
                    "prunekit.compact.rebuild.INIT_CHECKS; add one to load it")
     check(original, init)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. "Initializing zero-element tensors is a no-op"
             meta = cls(**init)
     except Exception as e:
         raise _Bad(f"init {init!r} does not build a {cls_name} ({type(e).__name__}: {e})") from None
