@@ -42,7 +42,8 @@ from .handlers import REGISTRY, HandlerRegistry, ModuleHandler
 from .journal import Journal
 from .modules import REPLACEMENTS, PrunedMultiheadAttention
 
-__all__ = ["RebuildPlan", "apply_plan", "check_state_dict", "load_state", "plan_rebuild"]
+__all__ = ["INIT_CHECKS", "INIT_FROM_TENSORS", "RebuildPlan", "apply_plan", "check_state_dict", "load_state",
+           "plan_rebuild"]
 
 _Key = Tuple[int, str]  # (id of the owning module, leaf name)
 
@@ -496,6 +497,17 @@ def apply_plan(model: nn.Module, plan: RebuildPlan, journal: Journal) -> Set[int
 
     A new tensor is zeros of the described shape (a replacement module is built from
     its ``init``); the rebuilt model's values come from the state dict loaded next.
+
+    Example:
+        >>> from torch import nn
+        >>> from prunekit.compact.journal import atomic
+        >>> m = nn.Sequential(nn.Linear(4, 8))
+        >>> d = {"format": "prunekit.compact/1", "modules": {"0": {"tensors": {"weight": [2, 4], "bias": [2]},
+        ...                                                       "attrs": {"out_features": 2, "in_features": 4}}}}
+        >>> with atomic() as journal:
+        ...     fresh = apply_plan(m, plan_rebuild(m, d), journal)
+        >>> m[0], len(fresh)
+        (Linear(in_features=4, out_features=2, bias=True), 2)
     """
     journal.modules(model)
     fresh: Set[int] = set()
@@ -533,6 +545,18 @@ def check_state_dict(model: nn.Module, plan: RebuildPlan, state_dict: Mapping[st
     """Check that ``state_dict`` fits ``model`` once ``plan`` is applied: the same keys, shapes and kinds of dtype.
 
     Nothing is changed or allocated; masked tensors (``name_orig``/``name_mask``) count as ``name``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> m = nn.Sequential(nn.Linear(4, 8))
+        >>> d = {"format": "prunekit.compact/1", "modules": {"0": {"tensors": {"weight": [2, 4], "bias": [2]},
+        ...                                                       "attrs": {"out_features": 2}}}}
+        >>> try:
+        ...     check_state_dict(m, plan_rebuild(m, d), {"0.weight": torch.zeros(2, 4)})
+        ... except ValueError as e:
+        ...     print(str(e).split(", unexpected")[0])
+        compaction description: the state dict does not fit the rebuilt Sequential: missing ['0.bias']
     """
     replaced = {s.name: s.meta for s in plan.steps if s.meta is not None}
     prefixes = tuple(n + "." for n in replaced)
@@ -572,6 +596,16 @@ def load_state(model: nn.Module, state_dict: Mapping[str, Tensor], journal: Jour
 
     Tensors in ``fresh`` (made by :func:`apply_plan`) are overwritten without a record;
     the others' values are recorded first, so a failure restores them.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from prunekit.compact.journal import atomic
+        >>> m = nn.Linear(2, 1)
+        >>> with atomic() as journal:
+        ...     load_state(m, {"weight": torch.ones(1, 2), "bias": torch.zeros(1)}, journal, set())
+        >>> m.weight.tolist()
+        [[1.0, 1.0]]
     """
     journal.modules(model)
     seen: Set[int] = set()
