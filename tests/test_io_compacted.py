@@ -86,7 +86,8 @@ def _state(model):
 
 
 def _same(a, b):
-    plain = lambda d: {n: {k: v for k, v in attrs.items() if not k.startswith("_")} for n, attrs in d.items()}  # noqa: E731
+    plain = lambda d: {n: {k: v for k, v in attrs.items() if not k.startswith("_") or k == "_prunekit_compaction"}  # noqa: E731
+                       for n, attrs in d.items()}
     return (a[0] == b[0] and a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
             and plain(a[2]) == plain(b[2]))
 

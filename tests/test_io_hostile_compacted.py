@@ -82,7 +82,10 @@ def _sealed(sd, desc) -> bytes:
 
 
 def _snapshot(model):
-    return ([(n, type(m), {k: v for k, v in vars(m).items() if not k.startswith("_")}) for n, m in model.named_modules()],
+    def attrs(m):
+        return {k: v for k, v in vars(m).items() if not k.startswith("_") or k == "_prunekit_compaction"}
+
+    return ([(n, type(m), attrs(m)) for n, m in model.named_modules()],
             [(k, v.detach().clone()) for k, v in model.state_dict(keep_vars=True).items()])
 
 
