@@ -104,7 +104,7 @@ def compact(
         CompactionError: the compacted model fails or its output differs from the masked
             model's (``model`` is unchanged; please report it with the model).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from prunekit.compact import prune_groups, compact
@@ -429,7 +429,7 @@ def _check_outputs(
 def compaction_description(model: nn.Module) -> Dict[str, Any]:
     """The JSON-able description of a compacted model's new shapes.
 
-    Example:
+    Examples:
         >>> import json, torch
         >>> from torch import nn
         >>> from prunekit.compact import prune_groups, compact, compaction_description
@@ -458,7 +458,7 @@ def rebuild_from_description(
     as it was. The new tensors hold zeros: load the state dict next, or use
     :func:`load_compacted`. ``registry``: the handler registry compaction used.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from prunekit.compact import prune_groups, compact, compaction_description, rebuild_from_description
@@ -499,7 +499,7 @@ def load_compacted(
     included) ``model`` is exactly as it was; only the values of tensors whose shape
     does not change are kept aside meanwhile, never a copy of the model.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from prunekit.compact import prune_groups, compact, compaction_description, load_compacted
@@ -539,7 +539,7 @@ def save_compacted(model: nn.Module, path: Any) -> None:
     sealed with a SHA-256 checksum that :func:`load_compacted` verifies before it reads
     anything else (see ``docs/trust-compacted.md``).
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> from torch import nn
         >>> from prunekit.compact import prune_groups, compact, save_compacted, load_compacted

@@ -74,7 +74,7 @@ class CompactedModelError(UnreadableFileError):
     The message starts with the file's path (or ``compaction description`` for
     one passed in memory) and says what is wrong and what to give instead.
 
-    Example:
+    Examples:
         >>> try:
         ...     check_description({"format": "prunekit.compact/1", "modules": {"0": {"tensors": {"w": [-1]}}}})
         ... except CompactedModelError as e:
@@ -131,7 +131,7 @@ def check_description(description: Any, where: str = "compaction description") -
     string, bool or a short list of them). Which attributes may be set, and to what,
     depends on the model: :func:`prunekit.compact.rebuild_from_description` checks that.
 
-    Example:
+    Examples:
         >>> d = {"format": "prunekit.compact/1", "modules": {"0": {"tensors": {"weight": [8, 8]},
         ...                                                       "attrs": {"out_features": 8}}}}
         >>> check_description(d) is d
@@ -176,7 +176,7 @@ def check_sizes(description: Mapping[str, Any], shapes: Mapping[str, Sequence[in
     the shapes of a safetensors header): nothing is allocated. A masked tensor is
     stored as ``name_orig`` and ``name_mask``; both must have the described shape.
 
-    Example:
+    Examples:
         >>> d = {"format": "prunekit.compact/1", "modules": {"0": {"tensors": {"weight": [8, 4]}}}}
         >>> check_sizes(d, {"0.weight": (8, 4)})
         >>> try:
@@ -265,7 +265,7 @@ def file_checksum(f: IO[bytes], path: str, size: int) -> Optional[str]:
     :class:`CompactedModelError` naming the path. The file is streamed: nothing the size
     of the file is allocated.
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> p = os.path.join(tempfile.mkdtemp(), "small.pt")
         >>> write_compacted({"w": torch.ones(2)}, {"format": "prunekit.compact/1", "modules": {}}, p)
@@ -333,7 +333,7 @@ def write_compacted(state_dict: Mapping[str, torch.Tensor], description: Mapping
 
     The archive's comment carries the SHA-256 checksum that :func:`read_compacted` verifies.
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> p = os.path.join(tempfile.mkdtemp(), "small.pt")
         >>> write_compacted({"w": torch.ones(2)}, {"format": "prunekit.compact/1", "modules": {}}, p)
@@ -363,7 +363,7 @@ def read_compacted(path: Any, *, require_checksum: bool = True
             read it anyway (every other check still applies; a warning is logged),
             then save it again to seal it.
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> p = os.path.join(tempfile.mkdtemp(), "small.pt")
         >>> write_compacted({"w": torch.ones(2)}, {"format": "prunekit.compact/1", "modules": {}}, p)
