@@ -14,7 +14,8 @@ import copy
 import dataclasses
 import itertools
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import os
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -24,14 +25,14 @@ from .. import reparam
 from . import weights
 from .dead import Fold, NonZero, dead_units, zero_units
 from .errors import CompactionError
-from .handlers import ModuleHandler
+from .handlers import HandlerRegistry, ModuleHandler
 from .graph import DependencyGraph, Group, build_dependency_graph, check_graph, traced_dependency_graph
 from .hf_config import updated_config
 from .inputs import flatten_output, split_inputs
 from .journal import Journal, atomic, run_then_clean
-from .modules import REPLACEMENTS
+from .rebuild import apply_plan, check_state_dict, load_state, plan_rebuild
 from .ops import tensors_in
-from .surgery import replace_tensor, set_attr, shrink_module
+from .surgery import shrink_module
 
 logger = logging.getLogger(__name__)
 
@@ -443,12 +444,19 @@ def compaction_description(model: nn.Module) -> Dict[str, Any]:
     return copy.deepcopy(desc)
 
 
-def rebuild_from_description(model: nn.Module, description: Dict[str, Any]) -> nn.Module:
+def rebuild_from_description(
+    model: nn.Module, description: Dict[str, Any], *, registry: Optional[HandlerRegistry] = None
+) -> nn.Module:
     """Reshape a freshly built original model (in place) to a compacted model's shapes.
 
-    Only classes in :data:`prunekit.compact.modules.REPLACEMENTS` are ever instantiated:
-    no code is unpickled or imported by name. Every module name and class is checked
-    before anything changes, so a description that does not fit leaves ``model`` as it was.
+    The description is hostile input: every entry is checked against ``model`` first
+    (:func:`prunekit.compact.rebuild.plan_rebuild`: only the sizes compaction changes,
+    to values consistent with the new tensor shapes; only classes in
+    :data:`prunekit.compact.modules.REPLACEMENTS` are instantiated, nothing is
+    unpickled or imported by name), and nothing is allocated until all of it passed.
+    All or nothing: on any failure (``KeyboardInterrupt`` included) ``model`` is exactly
+    as it was. The new tensors hold zeros: load the state dict next, or use
+    :func:`load_compacted`. ``registry``: the handler registry compaction used.
 
     Examples:
         >>> import torch
@@ -459,43 +467,37 @@ def rebuild_from_description(model: nn.Module, description: Dict[str, Any]) -> n
         >>> rebuild_from_description(make(), compaction_description(compact(m, x)))[2].weight.shape
         torch.Size([4, 8])
     """
-    if not isinstance(description, dict) or description.get("format") != FORMAT:
-        raise ValueError(f"not a compaction description (expected format {FORMAT!r}, got {description.get('format') if isinstance(description, dict) else type(description).__name__!r})")
-    for mname, entry in description["modules"].items():
-        try:
-            model.get_submodule(mname) if mname else model
-        except AttributeError:
-            raise ValueError(f"the description names module {mname!r}, which {type(model).__name__} does not have; build the same model class as the one compacted") from None
-        cls_name = entry.get("class")
-        if cls_name and cls_name not in REPLACEMENTS:
-            raise ValueError(f"description asks for class {cls_name!r} for module {mname!r}; only {sorted(REPLACEMENTS)} are allowed")
-    for mname, entry in description["modules"].items():
-        module = model.get_submodule(mname) if mname else model
-        cls_name = entry.get("class")
-        if cls_name:
-            new = REPLACEMENTS[cls_name](**entry["init"])
-            parent, leaf = reparam.owner_of(model, mname)
-            setattr(parent, leaf, new)
-            module = new
-        for path, shape in entry.get("tensors", {}).items():
-            owner, leaf = reparam.owner_of(module, path)
-            old = getattr(owner, leaf)
-            replace_tensor(owner, leaf, torch.zeros(shape, dtype=old.dtype, device=old.device))
-        for path, value in entry.get("attrs", {}).items():
-            set_attr(module, path, tuple(value) if isinstance(value, list) else value)
-    object.__setattr__(model, _DESC_ATTR, copy.deepcopy(description))
-    return model
+    from ..io.compacted import check_description
+
+    check_description(description)
+    plan = plan_rebuild(model, description, registry=registry)
+    with atomic() as journal:
+        apply_plan(model, plan, journal)
+        object.__setattr__(model, _DESC_ATTR, copy.deepcopy(description))
+        return model  # inside the block: an interrupt before the return rolls everything back
 
 
-def load_compacted(model: nn.Module, state_dict: Dict[str, Tensor], description: Dict[str, Any]) -> nn.Module:
+def load_compacted(
+    model: nn.Module,
+    state_dict: Any,
+    description: Optional[Dict[str, Any]] = None,
+    *,
+    require_checksum: bool = True,
+    registry: Optional[HandlerRegistry] = None,
+) -> nn.Module:
     """Rebuild ``model`` (a fresh instance of the original class) and load a compacted state dict.
 
-    Masks present in the state dict (``name_orig``/``name_mask``) are re-applied through the
-    pruning API. All or nothing: the work is done on a copy of ``model``, which replaces
-    ``model``'s contents only once everything has loaded, so on any failure (a description
-    that does not fit, a state dict that does not match, ``KeyboardInterrupt``) ``model`` is
-    exactly as it was. Read a file written by :func:`save_compacted` with
-    :func:`prunekit.io.compacted.read_compacted`.
+    ``load_compacted(model, path)`` reads a file written by :func:`save_compacted`
+    (checksum verified first; see :func:`prunekit.io.compacted.read_compacted` for
+    ``require_checksum``); ``load_compacted(model, state_dict, description)`` takes them
+    in memory. Every size in the description is checked against the state dict's
+    shapes and the model, and every state-dict key and shape against the rebuilt
+    model, before anything changes or is allocated; errors are
+    :class:`~prunekit.io.compacted.CompactedModelError` (a ``ValueError``) naming the
+    file. Masks present in the state dict (``name_orig``/``name_mask``) are re-applied
+    through the pruning API. All or nothing: on any failure (``KeyboardInterrupt``
+    included) ``model`` is exactly as it was; only the values of tensors whose shape
+    does not change are kept aside meanwhile, never a copy of the model.
 
     Examples:
         >>> import torch
@@ -507,47 +509,44 @@ def load_compacted(model: nn.Module, state_dict: Dict[str, Tensor], description:
         >>> torch.equal(again(x), small(x))
         True
     """
-    from ..io.compacted import check_description
+    from ..io.compacted import check_description, check_sizes, read_compacted
 
-    try:
-        check_description(description)
-    except ValueError as e:
-        raise ValueError(str(e)) from None
-    work = copy.deepcopy(model)
-    rebuild_from_description(work, description)
-    for key in list(state_dict):
-        if key.endswith("_mask") and key[: -len("_mask")] + "_orig" in state_dict:
-            owner, leaf = reparam.owner_of(work, key[: -len("_mask")])
-            reparam.apply_mask(owner, leaf, state_dict[key])
-    work.load_state_dict(state_dict)
-    # commit: one assignment each, so an interrupt leaves the old model or the new one; the return is
-    # inside the try, so an interrupt between the commit and the return puts the old one back
-    old_class, old_dict = type(model), model.__dict__
-    try:
-        if type(model) is not type(work):  # pragma: no cover - the root module is never replaced
-            model.__class__ = type(work)
-        model.__dict__ = work.__dict__
-        return model
-    except BaseException:
-        model.__dict__ = old_dict
-        model.__class__ = old_class
-        raise
+    where = "compaction description"
+    if description is None:
+        if not isinstance(state_dict, (str, os.PathLike)):
+            raise TypeError("load_compacted(model, path) or load_compacted(model, state_dict, description); "
+                            f"got a {type(state_dict).__name__} and no description")
+        path = os.fspath(state_dict)
+        state_dict, description = read_compacted(path, require_checksum=require_checksum)
+        where = f"{path}: description"
+    check_description(description, where)
+    if not isinstance(state_dict, Mapping) or not all(isinstance(v, Tensor) for v in state_dict.values()):
+        raise TypeError(f"load_compacted: state_dict must map names to tensors, got {type(state_dict).__name__}")
+    plan = plan_rebuild(model, description, where=where, registry=registry)
+    check_sizes(description, {k: v.shape for k, v in state_dict.items()}, where)
+    check_state_dict(model, plan, state_dict, where)
+    with atomic() as journal:
+        fresh = apply_plan(model, plan, journal)
+        load_state(model, state_dict, journal, fresh)
+        object.__setattr__(model, _DESC_ATTR, copy.deepcopy(description))
+        return model  # inside the block: an interrupt before the return rolls everything back
 
 
 def save_compacted(model: nn.Module, path: Any) -> None:
     """Save a plain state dict plus the description (loadable with ``torch.load(weights_only=True)``).
 
-    Written by prunekit's atomic writer: a failed save leaves ``path`` as it was.
+    Written by prunekit's atomic writer (a failed save leaves ``path`` as it was) and
+    sealed with a SHA-256 checksum that :func:`load_compacted` verifies before it reads
+    anything else (see ``docs/trust-compacted.md``).
 
     Examples:
-        >>> import io, torch
+        >>> import os, tempfile, torch
         >>> from torch import nn
         >>> from prunekit.compact import prune_groups, compact, save_compacted, load_compacted
         >>> make = lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
         >>> m = make(); x = torch.randn(2, 8); _ = prune_groups(m, x, 0.5); small = compact(m, x)
-        >>> buf = io.BytesIO(); save_compacted(small, buf); _ = buf.seek(0)
-        >>> saved = torch.load(buf, weights_only=True)
-        >>> torch.equal(load_compacted(make(), saved["state_dict"], saved["description"])(x), small(x))
+        >>> path = os.path.join(tempfile.mkdtemp(), "small.pt"); save_compacted(small, path)
+        >>> torch.equal(load_compacted(make(), path)(x), small(x))
         True
     """
     from ..io.compacted import write_compacted
