@@ -586,7 +586,7 @@ def test_config_files_that_are_not_neural_compressor_configs(tmp_path):
     with pytest.raises(ValueError, match="weight_compression is not a section prunekit reads .*epoch-based legacy"):
         Pruning(str(tmp_path / "legacy.yaml"))
     (tmp_path / "bad.yaml").write_text("pruning: {approach: {weight_compression_pytorch: {pruners: [!Pruner 3]}}}")
-    with pytest.raises(ValueError, match="is not valid YAML: !Pruner needs a mapping"):
+    with pytest.raises(ValueError, match=r"bad.yaml: not valid YAML \(!Pruner needs a mapping of keys, line 1 column 61\)"):
         Pruning(str(tmp_path / "bad.yaml"))
     with pytest.raises(ValueError, match="mixes Neural Compressor 1.x keys .*'prune_type'.* and 2.x keys .*'op_names'"):
         nc.load_config({"prune_type": "magnitude", "op_names": ["fc"]})
