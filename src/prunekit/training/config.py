@@ -296,21 +296,30 @@ class PruningConfig:
 
     @classmethod
     def from_yaml(cls, path: Union[str, "os.PathLike[str]"]) -> "PruningConfig":
-        """Read a YAML file (needs ``pyyaml``: ``pip install prunekit[yaml]``).
+        """Read a YAML file (needs ``pyyaml``: ``pip install prunekit[yaml]``), or strict JSON for ``.json``.
 
-        The file goes through prunekit's hostile reader (:func:`prunekit.io.read_yaml`):
-        a regular file of bounded size, or a ``ValueError`` naming the path.
+        The file goes through prunekit's hostile reader (:func:`prunekit.io.read_config`):
+        a regular file of at most 1 MiB, parsed safely with alias bombs, deep nesting
+        and duplicate keys refused, or a ``ValueError`` naming the path.
+
+        Example:
+            >>> import os, tempfile
+            >>> from prunekit.training import PruningConfig
+            >>> p = os.path.join(tempfile.mkdtemp(), "prune.yaml")
+            >>> _ = open(p, "w").write("prune_type: magnitude\ntarget_sparsity: 0.8\n")
+            >>> PruningConfig.from_yaml(p).pruners[0].target_sparsity
+            0.8
         """
-        from ..io import read_yaml
+        from ..io import read_config
 
-        return cls.from_dict(read_yaml(path, what="pruning config"))
+        return cls.from_dict(read_config(path, what="pruning config"))
 
     def to_dict(self) -> Dict[str, Any]:
         return {"pruners": [p.to_dict() for p in self.pruners]}
 
 
 def load_config(config: Any, model: Any = None) -> PruningConfig:
-    """A :class:`PruningConfig` from a config, a pruner config, a dict, a list of dicts or a YAML path.
+    """A :class:`PruningConfig` from a config, a pruner config, a dict, a list of dicts or a YAML (or JSON) path.
 
     Any other object with a ``to_pruning_config(model)`` method (such as
     :class:`prunekit.compat.neural_compressor.WeightPruningConfig`) is asked for
