@@ -87,6 +87,9 @@ def _setup_logging(verbose: int) -> Callable[[], None]:
     return undo
 
 
+_MAX_LINE = 2000
+
+
 def _fail(e: BaseException, code: int, debug: bool, line: str) -> int:
     """Report a failure as ``line`` on stderr (after the traceback with ``--debug``); returns ``code``.
 
@@ -94,6 +97,8 @@ def _fail(e: BaseException, code: int, debug: bool, line: str) -> int:
     """
     if debug:
         traceback.print_exception(e, file=sys.stderr)
+    if len(line) > _MAX_LINE:  # a message quoting a huge value from a file stays one readable line
+        line = f"{line[:_MAX_LINE]}... ({len(line)} characters)"
     print(f"prunekit: error: {line}", file=sys.stderr)
     return code
 
