@@ -307,7 +307,7 @@ class PruningConfig:
             >>> import os, tempfile
             >>> from prunekit.training import PruningConfig
             >>> p = os.path.join(tempfile.mkdtemp(), "prune.yaml")
-            >>> _ = open(p, "w").write("prune_type: magnitude\ntarget_sparsity: 0.8\n")
+            >>> _ = open(p, "w").write("prune_type: magnitude\\ntarget_sparsity: 0.8\\n")
             >>> PruningConfig.from_yaml(p).pruners[0].target_sparsity
             0.8
         """
