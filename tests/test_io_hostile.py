@@ -674,3 +674,24 @@ def test_every_crafted_yaml_bomb_is_refused_by_the_reader(tmp_path):
     assert refused == {"expands to more than 100000 values through aliases", "an alias refers to a value that contains it",
                        "not valid YAML", "a number 200003 characters long", "a number 400001 characters long",
                        "larger than 1048576 bytes"}
+
+
+def test_the_pure_python_yaml_parser_refuses_the_same_bombs(tmp_path, monkeypatch):
+    """Without libyaml (pyyaml built without it) the same documents are refused the same way."""
+    yaml = pytest.importorskip("yaml")
+    from prunekit.io import UnreadableFileError, read_yaml
+    from prunekit.io import reader
+
+    monkeypatch.delattr(yaml, "CSafeLoader", raising=False)
+    monkeypatch.setattr(reader, "_YAML_LOADERS", {})
+    assert reader._yaml_loader(()).__mro__[1] is yaml.SafeLoader
+    path = str(tmp_path / "c.yaml")
+    small = [d for d in _yaml_crafted() if len(d) < 50_000] + ["[" * 100_000 + "]" * 100_000]
+    assert len(small) >= 15
+    for doc in small:
+        _write(path, doc.encode())
+        with pytest.raises(UnreadableFileError) as info:
+            read_yaml(path)
+        assert str(info.value).startswith(path + ": ") and len(str(info.value)) < 300
+    _write(path, b"pruners:\n  - !Pruner {names: [fc], target_sparsity: 0.5}\n")
+    assert read_yaml(path, mapping_tags=("!Pruner",)) == {"pruners": [{"names": ["fc"], "target_sparsity": 0.5}]}

@@ -232,7 +232,7 @@ YAML_MAX_VALUES = 100_000  # values a config may hold, aliases expanded
 _MAX_NUMBER_CHARS = 100  # a YAML 1.1 sexagesimal int ("1:2:3:...") costs quadratic time in its length
 _YAML_NUMBERS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 _YAML_MERGE = "tag:yaml.org,2002:merge"
-_YAML_LOADERS: Dict[Tuple[str, ...], Any] = {}
+_YAML_LOADERS: Dict[Tuple[Tuple[str, ...], int], Any] = {}
 
 
 def _clip(text: str, n: int = 200) -> str:
@@ -244,13 +244,29 @@ def _first_line(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def _yaml_loader(mapping_tags: Tuple[str, ...]) -> Any:
-    """A safe loader class (libyaml's C parser when pyyaml has it) that builds a dict for each tag given."""
+def _yaml_loader(mapping_tags: Tuple[str, ...], max_depth: int = _MAX_DEPTH) -> Any:
+    """A safe loader class (libyaml's C parser when pyyaml has it) that builds a dict for each tag given.
+
+    libyaml refuses nesting past 1,000 levels itself; pyyaml's pure-Python
+    scanner costs time in proportion to the nesting level for every token, so
+    without libyaml a flow collection deeper than ``max_depth`` is refused as
+    it is scanned.
+    """
     import yaml
 
-    loader = _YAML_LOADERS.get(mapping_tags)
+    loader = _YAML_LOADERS.get((mapping_tags, max_depth))
     if loader is None:
-        loader = type("PrunekitYamlLoader", (getattr(yaml, "CSafeLoader", yaml.SafeLoader),), {})
+        base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        body: Dict[str, Any] = {}
+        if base is yaml.SafeLoader:
+            def fetch_flow_collection_start(ld: Any, token_class: Any) -> Any:
+                if ld.flow_level >= max_depth:
+                    raise yaml.scanner.ScannerError(None, None, f"nested deeper than {max_depth} levels",
+                                                    ld.get_mark())
+                return base.fetch_flow_collection_start(ld, token_class)
+
+            body["fetch_flow_collection_start"] = fetch_flow_collection_start
+        loader = type("PrunekitYamlLoader", (base,), body)
 
         def as_dict(ld: Any, node: Any) -> Dict[Any, Any]:
             if not isinstance(node, yaml.MappingNode):
@@ -260,7 +276,7 @@ def _yaml_loader(mapping_tags: Tuple[str, ...]) -> Any:
 
         for tag in mapping_tags:
             loader.add_constructor(tag, as_dict)
-        _YAML_LOADERS[mapping_tags] = loader
+        _YAML_LOADERS[(mapping_tags, max_depth)] = loader
     return loader
 
 
@@ -359,7 +375,7 @@ def loads_yaml_strict(text: str, where: str, *, error: Type[ValueError] = Unread
         import yaml
     except ImportError:
         raise ImportError("reading a YAML file needs pyyaml: pip install 'prunekit[yaml]'") from None
-    loader = _yaml_loader(tuple(mapping_tags))(text)
+    loader = _yaml_loader(tuple(mapping_tags), max_depth)(text)
     try:
         try:
             node = loader.get_single_node()
