@@ -201,6 +201,17 @@ def test_key_file_goes_through_the_hostile_reader(capsys, tmp_path, monkeypatch)
     assert out == ""
 
 
+def test_a_key_in_the_environment_that_is_not_utf8_is_used_as_its_bytes(capsys, tmp_path, monkeypatch):
+    signed = tmp_path / "s.safetensors"
+    save_compressed(cli_models.make_mlp(), str(signed), key=b"k\xff")
+    monkeypatch.setenv("PRUNEKIT_KEY", os.fsdecode(b"k\xff"))  # as a shell would pass the raw byte
+    d = run_json(capsys, "inspect", signed)
+    assert d["signature"] == "verified"
+    monkeypatch.setenv("PRUNEKIT_KEY", os.fsdecode(b"\xfe"))
+    code, _, err = run(capsys, "inspect", signed)
+    assert_one_line_error(code, err, 2, "signature does not verify")
+
+
 def test_inspect_with_a_key_never_unpickles_even_with_trust_pickle(capsys, tmp_path):
     marker = tmp_path / "the-pickle-ran"
 

@@ -142,9 +142,10 @@ KEY_LIMIT = 64 * 1024  # a secret is tens of bytes; a larger "key file" is the w
 
 def read_key(key_file: Optional[str]) -> Optional[bytes]:
     """The secret that verifies signed checkpoints: the bytes of ``--key-file`` (exactly as stored), else
-    the ``PRUNEKIT_KEY`` environment variable (UTF-8), else ``None``. Never a command-line value: other
-    users of the machine can read a process's arguments. The key file goes through the hostile reader:
-    a regular file of at most 64 KiB (a FIFO, a device or a larger file exits 2, never cut short)."""
+    the bytes of the ``PRUNEKIT_KEY`` environment variable (UTF-8 for text), else ``None``. Never a
+    command-line value: other users of the machine can read a process's arguments. The key file goes
+    through the hostile reader: a regular file of at most 64 KiB (a FIFO, a device or a larger file
+    exits 2, never cut short)."""
     if key_file is not None:
         from prunekit.io.reader import read_bytes
 
@@ -163,7 +164,7 @@ def read_key(key_file: Optional[str]) -> Optional[bytes]:
     if env is not None:
         if not env:
             raise CliError(f"{KEY_ENV} is set but empty; unset it or give the secret")
-        return env.encode("utf-8")
+        return os.fsencode(env)  # the bytes as set (UTF-8 text, or whatever bytes the environment holds)
     return None
 
 
