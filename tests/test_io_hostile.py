@@ -599,6 +599,8 @@ def _yaml_crafted():
     docs += ["- " * n + "x\n" for n in (70, 1500)]
     docs += ["start_step: 1" + ":1" * 200_000 + "\n", "target_sparsity: 1" + ":1" * 100_000 + ".5\n"]
     docs += ["---\n" * 10_000, "a: '" + "x" * 900_000 + "'\n", "a: " + "x" * 900_000 + "\n", "? " * 30_000]
+    docs += [f"a: {v}\n" for v in ("!!timestamp fc2", "!!int", "!!int abc", "!!bool maybe", "!!float .",
+                                    "!!timestamp 2001-02-30", "!!int 0x", "!!set [1]", "!!python/name:os.system")]
     docs += ["a: !!binary " + "A" * 100_001 + "\n", "!!set {" + ", ".join(f"k{i}" for i in range(200_000)) + "}"]
     return docs
 
@@ -695,3 +697,23 @@ def test_the_pure_python_yaml_parser_refuses_the_same_bombs(tmp_path, monkeypatc
         assert str(info.value).startswith(path + ": ") and len(str(info.value)) < 300
     _write(path, b"pruners:\n  - !Pruner {names: [fc], target_sparsity: 0.5}\n")
     assert read_yaml(path, mapping_tags=("!Pruner",)) == {"pruners": [{"names": ["fc"], "target_sparsity": 0.5}]}
+
+
+def test_fuzzed_configs_on_the_command_line_exit_0_or_2_with_one_line(tmp_path, capsys):
+    """prunekit prune --config on mutants of a config: it prunes (exit 0), or one line and exit 2."""
+    model = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cli_models.py") + ":make_mlp"
+    rng = random.Random(YAML_SEED + 1)
+    config = PRUNEKIT_YAML.replace("^fc1$', 'conv.*'", "^0$', '^2$'").replace("[fc2]", "['^4$']")
+    codes = []
+    for i, data in enumerate([config.encode()] + _yaml_mutants(config, rng, 16)):
+        path = tmp_path / f"c{i}.yaml"
+        path.write_bytes(data)
+        out = tmp_path / f"o{i}.safetensors"
+        code = main(["prune", "--model", model, "--config", str(path), "--out", str(out), "--json"])
+        stdout, err = capsys.readouterr()
+        codes.append(code)
+        assert code in (0, 2), (i, data, err)
+        if code == 2:
+            assert stdout == "" and len(err.strip().splitlines()) == 1 and err.startswith("prunekit: error: ")
+            assert not out.exists()
+    assert codes[0] == 0 and codes.count(2) >= 12, codes

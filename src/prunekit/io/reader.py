@@ -392,8 +392,11 @@ def loads_yaml_strict(text: str, where: str, *, error: Type[ValueError] = Unread
             raise error(f"{where}: not valid YAML ({_yaml_reason(e)})") from None
         except RecursionError:  # pragma: no cover - the depth was checked above
             raise error(f"{where}: not valid YAML (nested too deeply)") from None
-        except (ValueError, TypeError, OverflowError) as e:  # a timestamp, number or binary value pyyaml cannot build
+        except (ValueError, OverflowError) as e:  # a timestamp, number or binary value pyyaml cannot build
             raise error(f"{where}: not valid YAML ({_clip(_first_line(e))})") from None
+        except (TypeError, AttributeError, KeyError, IndexError) as e:  # an explicit tag on a value it cannot take
+            raise error(f"{where}: not valid YAML (a tagged value pyyaml cannot build: "
+                        f"{type(e).__name__} {_clip(_first_line(e))})") from None
     finally:
         loader.dispose()
 
