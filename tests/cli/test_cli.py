@@ -129,6 +129,148 @@ def test_inspect_missing_and_garbage(capsys, tmp_path):
     assert_one_line_error(code, err, 2, "not a torch checkpoint")
 
 
+def _no_hang(fn, *args):
+    """fn(*args) in a thread: its result, or the test fails (instead of hanging) if it blocks on a file."""
+    import threading
+
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), f"{args} blocked on a non-regular file"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def test_inspect_reads_a_compressed_tensors_folder(capsys, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    m = cli_models.make_mlp()
+    prunekit.l1_unstructured(m[2], "weight", amount=0.75)
+    folder = tmp_path / "out"
+    save_compressed(m, str(folder), format="compressed-tensors", config={"model_type": "mlp"})
+    d = run_json(capsys, "inspect", folder)
+    assert d["format"] == "compressed-tensors" and d["signature"] == "none"
+    assert d["bytes"] == sum(f.stat().st_size for f in folder.iterdir())
+    expected = prunekit.report.model_report(prunekit.dense_state_dict(m)).to_dict()
+    by_name = lambda r: sorted(r["layers"], key=lambda e: e["name"])  # noqa: E731 - the folder keeps its own order
+    assert by_name(d["report"]) == by_name(expected)
+    assert {k: v for k, v in d["report"].items() if k != "layers"} == {k: v for k, v in expected.items() if k != "layers"}
+    e = {x["name"]: x for x in d["report"]["layers"]}["2.weight"]
+    assert e["nonzero"] == 128 * 128 // 4
+    code, out, err = run(capsys, "inspect", folder)
+    assert code == 0 and "(compressed-tensors" in out and "2.weight" in out
+    # a key: the folder carries no signature, refused before it is read
+    (tmp_path / "k").write_bytes(b"secret")
+    code, _, err = run(capsys, "inspect", folder, "--key-file", tmp_path / "k")
+    assert_one_line_error(code, err, 2, "compressed-tensors file carries no signature")
+    # a folder that is no model, and a folder whose weights are a FIFO: one line, exit 2, no hang
+    (tmp_path / "empty").mkdir()
+    code, _, err = run(capsys, "inspect", tmp_path / "empty")
+    assert_one_line_error(code, err, 2, "is a directory")
+    os.unlink(folder / "model.safetensors")
+    os.mkfifo(folder / "model.safetensors")
+    code = _no_hang(main, ["inspect", str(folder)])
+    assert_one_line_error(code, capsys.readouterr().err, 2, "not a regular file (a FIFO (named pipe))")
+
+
+def test_key_file_goes_through_the_hostile_reader(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("PRUNEKIT_KEY", raising=False)
+    signed = tmp_path / "s.safetensors"
+    big_key = b"k" * 70_000
+    save_compressed(cli_models.make_mlp(), str(signed), key=big_key)
+    fifo = tmp_path / "key.fifo"
+    os.mkfifo(fifo)
+    code = _no_hang(main, ["inspect", str(signed), "--key-file", str(fifo)])
+    assert_one_line_error(code, capsys.readouterr().err, 2, f"{fifo}: not a regular file (a FIFO (named pipe))")
+    for dev in ("/dev/zero", "/dev/null"):
+        code = _no_hang(main, ["inspect", str(signed), "--key-file", dev])
+        assert_one_line_error(code, capsys.readouterr().err, 2, f"{dev}: not a regular file (a character device)")
+    # a key file over 64 KiB is refused, never cut short to what fits
+    (tmp_path / "big.key").write_bytes(big_key)
+    code, out, err = run(capsys, "inspect", signed, "--key-file", tmp_path / "big.key")
+    assert_one_line_error(code, err, 2, "big.key: larger than 65536 bytes (70000 bytes); a key file is never that large")
+    assert out == ""
+
+
+def test_a_key_in_the_environment_that_is_not_utf8_is_used_as_its_bytes(capsys, tmp_path, monkeypatch):
+    signed = tmp_path / "s.safetensors"
+    save_compressed(cli_models.make_mlp(), str(signed), key=b"k\xff")
+    monkeypatch.setenv("PRUNEKIT_KEY", os.fsdecode(b"k\xff"))  # as a shell would pass the raw byte
+    d = run_json(capsys, "inspect", signed)
+    assert d["signature"] == "verified"
+    monkeypatch.setenv("PRUNEKIT_KEY", os.fsdecode(b"\xfe"))
+    code, _, err = run(capsys, "inspect", signed)
+    assert_one_line_error(code, err, 2, "signature does not verify")
+
+
+def test_inspect_with_a_key_never_unpickles_even_with_trust_pickle(capsys, tmp_path):
+    marker = tmp_path / "the-pickle-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    torch.save({"w": torch.ones(2), "x": Payload()}, tmp_path / "evil.pt")
+    (tmp_path / "k").write_bytes(b"secret")
+    code, out, err = run(capsys, "inspect", tmp_path / "evil.pt", "--key-file", tmp_path / "k", "--trust-pickle")
+    assert_one_line_error(code, err, 2, "torch file carries no signature")
+    assert out == "" and not marker.exists()
+
+
+def test_a_file_refused_by_the_file_layer_exits_2_wherever_it_surfaces(capsys, tmp_path, monkeypatch):
+    from prunekit.cli import _inspect
+    from prunekit.io import CorruptCheckpointError, UnreadableFileError, UnsafeCheckpointError
+
+    (tmp_path / "m.pt").write_bytes(b"x")
+    for exc in (UnreadableFileError("/x/a.yaml: not valid YAML (found undefined alias, line 1 column 4)"),
+                CorruptCheckpointError("/x/b.safetensors: damaged"), UnsafeCheckpointError("/x/c.pt: needs unpickling")):
+        def boom(args, exc=exc):
+            raise exc
+
+        monkeypatch.setattr(_inspect, "run", boom)
+        code, out, err = run(capsys, "inspect", tmp_path / "m.pt")
+        assert_one_line_error(code, err, 2, str(exc))
+    monkeypatch.setattr(_inspect, "run", lambda args: (_ for _ in ()).throw(ValueError("a bug")))
+    code, out, err = run(capsys, "inspect", tmp_path / "m.pt")
+    assert_one_line_error(code, err, 1, "ValueError: a bug")
+    # a message quoting a huge value stays one bounded line
+    monkeypatch.setattr(_inspect, "run", lambda args: (_ for _ in ()).throw(UnreadableFileError("/x: " + "y" * 10**6)))
+    code, out, err = run(capsys, "inspect", tmp_path / "m.pt")
+    assert_one_line_error(code, err, 2, "... (1000004 characters)")
+    assert len(err) < 2100
+
+
+def test_prune_config_goes_through_the_hostile_reader(capsys, tmp_path):
+    bomb = "names: [" + ", ".join(["&a [x, x, x, x, x, x, x, x, x]"] + [
+        f"&{c} [" + ", ".join(["*" + p] * 9) + "]" for p, c in zip("abcde", "bcdef")]) + "]\n"
+    (tmp_path / "bomb.yaml").write_text("prune_type: magnitude\ntarget_sparsity: 0.5\n" + bomb)
+    (tmp_path / "dup.yaml").write_text("prune_type: magnitude\ntarget_sparsity: 0.5\ntarget_sparsity: 0.9\n")
+    (tmp_path / "big.yaml").write_text("prune_type: magnitude\nnames: [" + ", ".join(["'^0$'"] * 200_000) + "]\n")
+    (tmp_path / "deep.yaml").write_text("names: " + "[" * 200 + "]" * 200 + "\n")
+    (tmp_path / "binary.yaml").write_bytes(b"prune_type: \xff\xfe\x00magnitude\n")
+    os.mkfifo(tmp_path / "fifo.yaml")
+    for name, match in (("bomb.yaml", "expands to more than 100000 values through aliases"),
+                        ("dup.yaml", "not valid YAML (duplicate key 'target_sparsity', line 3); keep one"),
+                        ("big.yaml", "larger than 1048576 bytes"),
+                        ("deep.yaml", "nested deeper than 64 levels"),
+                        ("binary.yaml", "not UTF-8 text (byte 12)"),
+                        ("fifo.yaml", "not a regular file (a FIFO (named pipe))")):
+        code = _no_hang(main, ["prune", "--model", MLP, "--config", str(tmp_path / name),
+                               "--out", str(tmp_path / "o.safetensors")])
+        err = capsys.readouterr().err
+        assert_one_line_error(code, err, 2, match)
+        assert str(tmp_path / name) in err
+        assert not (tmp_path / "o.safetensors").exists()
+
+
 # --------------------------------------------------------------------- prune
 def test_prune_global_magnitude_matches_the_library(capsys, tmp_path, cnn_weights):
     out = tmp_path / "p.safetensors"

@@ -91,3 +91,44 @@ def test_factory_needs_a_tokenizer(capsys, tmp_path, cal):
                        "--out", tmp_path / "x.safetensors")
     assert code == 2 and "--tokenizer is needed" in err
     assert prunekit  # the package imported above is the one under test
+
+
+def _no_hang(fn, *args):
+    """fn(*args) in a thread: its result, or the test fails (instead of hanging) if it blocks on a file."""
+    import threading
+
+    box = {}
+    t = threading.Thread(target=lambda: box.__setitem__("value", fn(*args)), daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), f"{args} blocked on a non-regular file"
+    return box["value"]
+
+
+def test_calibration_goes_through_the_hostile_reader(capsys, tmp_path):
+    """A FIFO used to block forever and /dev/zero to be read until memory ran out: now one line, exit 2."""
+    fifo = tmp_path / "cal.fifo"
+    os.mkfifo(fifo)  # first: on a reader without the boundary this fails fast (a hang), not by eating memory
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:
+        f.truncate(64 * 1024 * 1024 + 1)  # sparse: no disk used
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(b"one sample\n\xff\xfe\n")
+    dup = tmp_path / "dup.json"
+    dup.write_text('["a", "b"]')
+    nan = tmp_path / "nan.json"
+    nan.write_text('{"a": NaN}')
+    for path, match in ((fifo, "cal.fifo: not a regular file (a FIFO (named pipe)); give a calibration file"),
+                        ("/dev/zero", "/dev/zero: not a regular file (a character device)"),
+                        (big, f"big.txt: larger than {64 * 1024 * 1024} bytes"),
+                        (binary, "bin.txt: not UTF-8 text (byte 11)"),
+                        (nan, "nan.json: not valid JSON (NaN is not JSON)")):
+        code = _no_hang(main, ["oneshot", "--model", "torch.nn:Identity", "--calibration", str(path),
+                               "--out", str(tmp_path / "x.safetensors")])
+        out, err = capsys.readouterr()
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, (path, err)
+        assert err.startswith("prunekit: error: --calibration ") and match in err, (path, err)
+        assert not (tmp_path / "x.safetensors").exists()
+    from prunekit.cli._oneshot import read_calibration
+
+    assert read_calibration(str(dup)) == ["a", "b"]

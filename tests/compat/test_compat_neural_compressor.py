@@ -1,6 +1,7 @@
 """Neural Compressor users' configs and scripts, unchanged apart from the import, on prunekit's pruners."""
 
 import logging
+import os
 import math
 import textwrap
 
@@ -586,7 +587,7 @@ def test_config_files_that_are_not_neural_compressor_configs(tmp_path):
     with pytest.raises(ValueError, match="weight_compression is not a section prunekit reads .*epoch-based legacy"):
         Pruning(str(tmp_path / "legacy.yaml"))
     (tmp_path / "bad.yaml").write_text("pruning: {approach: {weight_compression_pytorch: {pruners: [!Pruner 3]}}}")
-    with pytest.raises(ValueError, match="is not valid YAML: !Pruner needs a mapping"):
+    with pytest.raises(ValueError, match=r"bad.yaml: not valid YAML \(!Pruner needs a mapping of keys, line 1 column 61\)"):
         Pruning(str(tmp_path / "bad.yaml"))
     with pytest.raises(ValueError, match="mixes Neural Compressor 1.x keys .*'prune_type'.* and 2.x keys .*'op_names'"):
         nc.load_config({"prune_type": "magnitude", "op_names": ["fc"]})
@@ -618,3 +619,82 @@ def test_update_items_for_all_pruners_and_call_order_errors():
         prune.update_items_for_all_pruners(end_step=3)
     assert math.isclose(prune.get_sparsity_ratio()[0], (128 + 72) / sum(
         m.weight.numel() for m in prune.model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))))
+
+
+# ------------------------------------------------------------------ the YAML goes through prunekit's hostile reader
+def _no_hang(fn, *args):
+    """fn(*args) in a thread: (value, error), or the test fails (instead of hanging) if it blocks."""
+    import threading
+
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), f"{fn.__name__}{args} did not return"
+    return box.get("value"), box.get("error")
+
+
+def _laughs(levels=8):
+    items = ["&a [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    for prev, cur in zip("abcdefgh", "bcdefghi"[:levels - 1]):
+        items.append(f"&{cur} [" + ", ".join(["*" + prev] * 9) + "]")
+    return "pruning_type: magnitude\npruning_configs:\n  - op_names: [" + ", ".join(items) + "]\n"
+
+
+def test_hostile_yaml_is_refused_cleanly_and_at_once(tmp_path):
+    from prunekit.io import UnreadableFileError
+
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    cases = {
+        "fifo.yaml": (None, "not a regular file (a FIFO (named pipe)); give a Neural Compressor config"),
+        "laughs.yaml": (_laughs(), "expands to more than 100000 values through aliases"),
+        "binary.yaml": (b"pruning_type: magnitude\n\x89PNG\r\n\x1a\n\xff\xfe", "not UTF-8 text (byte 24)"),
+        "deep.yaml": ("pruning_configs: " + "[" * 5000 + "]" * 5000 + "\n", "not valid YAML"),
+        "deep2.yaml": ("pruning_configs: " + "[" * 100 + "]" * 100 + "\n", "nested deeper than 64 levels"),
+        "self.yaml": ("pruning_configs: &a [*a]\n", "an alias refers to a value that contains it (line 1)"),
+        "dup.yaml": ("pruning_type: magnitude\npruning_type: snip_momentum\n",
+                     "not valid YAML (duplicate key 'pruning_type', line 2); keep one"),
+        "number.yaml": ("target_sparsity: 1" + ":1" * 5000 + "\n", "a number 10001 characters long (line 1)"),
+        "big.yaml": ("pruning_configs:\n" + "  - op_names: [fc]\n" * 60_000, "larger than 1048576 bytes"),
+        "python.yaml": ("pruning_type: !!python/object/apply:os.system [echo hi]\n",
+                        "could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply"),
+        "nul.yaml": ("pruning_type: magnitude\x00\n", "unacceptable character #x0000"),
+    }
+    for name, (content, _) in cases.items():
+        if content is not None:
+            p = tmp_path / name
+            p.write_bytes(content) if isinstance(content, bytes) else p.write_text(content)
+    assert len(_laughs()) < 420
+    for name, (_, match) in cases.items():
+        path = str(tmp_path / name)
+        for load in (nc.load_config, Pruning):
+            value, error = _no_hang(load, path)
+            assert isinstance(error, UnreadableFileError), (name, load, value, error)
+            msg = str(error)
+            assert msg.startswith(path + ": ") and match in msg and len(msg) < 400, (name, msg[:400])
+
+
+def test_yaml_tags_anchors_and_merge_keys_still_read(tmp_path):
+    (tmp_path / "ok.yaml").write_text(textwrap.dedent("""
+        pruning:
+          approach:
+            weight_compression_pytorch:
+              prune_type: magnitude
+              pattern: tile_pattern_1x1
+              pruners:
+                - !Pruner &first {names: &n ['fc1'], target_sparsity: 0.5}
+                - !Pruner {<<: *first, target_sparsity: 0.25, start_step: 1, end_step: 2}
+                - !Pruner {names: *n, excluded_names: ['fc2'], target_sparsity: 0.75}
+    """))
+    cfg = nc.load_config(str(tmp_path / "ok.yaml")).to_pruning_config()
+    assert [(p.names, p.target_sparsity, p.start_step) for p in cfg.pruners] == [
+        (["fc1"], 0.5, 0), (["fc1"], 0.25, 1), (["fc1"], 0.75, 0)]
+    assert cfg.pruners[2].excluded_names == ["fc2"]

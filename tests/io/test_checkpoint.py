@@ -351,3 +351,60 @@ def test_bad_inputs_raise_and_leave_existing_file_alone(path):
     with open(path, "rb") as f:
         assert f.read() == before
     assert [p for p in os.listdir(os.path.dirname(path)) if p.startswith(".prunekit-")] == []
+
+
+# --------------------------------------------------------------------------- #
+# a key means "authenticated files only": nothing is unpickled before the check
+# --------------------------------------------------------------------------- #
+class _Payload:
+    """Unpickling it creates a folder: proof that the file's code ran."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def _pickle_payload(tmp_path):
+    marker = str(tmp_path / "the-pickle-ran")
+    path = str(tmp_path / "evil.pt")
+    torch.save({"w": torch.ones(2), "x": _Payload(marker)}, path)
+    return path, marker
+
+
+def test_a_key_refuses_a_torch_file_before_unpickling_it_even_with_trust_pickle(tmp_path):
+    from prunekit.io import CheckpointSignatureError, read_checkpoint
+    from prunekit.io.checkpoint import read_torch
+    from prunekit.io.formats import read
+
+    path, marker = _pickle_payload(tmp_path)
+    for call in (lambda: read_checkpoint(path, key=b"k" * 32, trust_pickle=True),
+                 lambda: read_checkpoint(path, key=b"k" * 32),
+                 lambda: read_torch(path, key=b"k" * 32, trust_pickle=True),
+                 lambda: read(path, key=b"k" * 32, trust_pickle=True),
+                 lambda: read(path, format="torch", key=b"k" * 32, trust_pickle=True)):
+        with pytest.raises(CheckpointSignatureError, match=r"evil.pt: a key was given, but this torch file carries "
+                                                          r"no signature"):
+            call()
+        assert not os.path.exists(marker)
+    # the same file without a key: refused without trust, and (the proof the payload is real) run with it
+    with pytest.raises(ValueError, match="needs full unpickling"):
+        read_checkpoint(path)
+    assert not os.path.exists(marker)
+    read_checkpoint(path, trust_pickle=True)
+    assert os.path.isdir(marker)
+
+
+def test_a_key_refuses_plain_safetensors_before_reading_it(tmp_path, monkeypatch):
+    from prunekit.io import CheckpointSignatureError, read_checkpoint
+    from prunekit.io import checkpoint
+
+    p = str(tmp_path / "plain.safetensors")
+    safetensors.torch.save_file({"w": torch.zeros(3)}, p)
+    reads = []
+    monkeypatch.setattr(checkpoint, "read_safetensors", lambda *a, **k: reads.append(a))
+    for call in (lambda: read_checkpoint(p, key=b"k"), lambda: checkpoint.read_plain_safetensors(p, key=b"k")):
+        with pytest.raises(CheckpointSignatureError, match="this safetensors file carries no signature"):
+            call()
+    assert reads == []

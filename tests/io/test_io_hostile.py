@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import struct
 import threading
 import warnings
@@ -407,6 +408,24 @@ def test_an_attacker_who_rewrites_the_index_and_its_checksum_fails_the_signature
         load_compressed(path, key=b"secret")
 
 
+def test_a_non_ascii_signature_is_a_signature_error(tmp_path, capsys):
+    """hmac.compare_digest refuses non-ASCII str: the forged signature must still be a signature error."""
+    path = str(tmp_path / "s.safetensors")
+    save_compressed(_state(), path, key=b"secret")
+    header, buffer = _split(open(path, "rb").read())
+    for forged in ("\u00e9" * 64, "0" * 63 + "\u00e9", "\u2603", ""):
+        header["__metadata__"]["prunekit.index_hmac"] = forged
+        with pytest.raises(CheckpointSignatureError, match="signature does not verify"):
+            _load_bytes(path, _assemble(header, buffer), key=b"secret")
+        with pytest.raises(CheckpointSignatureError):
+            read_checkpoint(path, key=b"secret")
+    key_file = tmp_path / "key"
+    key_file.write_bytes(b"secret")
+    code = main(["inspect", path, "--key-file", str(key_file)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "signature does not verify" in err
+
+
 # ----------------------------------------------------------------------------- the fuzz test
 FUZZ_SEED = 20240610
 
@@ -472,3 +491,231 @@ def test_a_valid_file_round_trips_through_the_hostile_reader(saved):
     with open_regular(path) as f:
         header = read_safetensors_header(f, path)
     assert header.metadata["prunekit.format"] == "prunekit-compressed/1"
+
+
+# ----------------------------------------------------------------------------- the YAML fuzz test
+YAML_SEED = 20240611
+
+# prunekit's own config YAML, and Neural Compressor's 1.x (with !Pruner tags) and 2.x files
+PRUNEKIT_YAML = """\
+prune_type: magnitude
+target_sparsity: 0.5
+pattern: 4x1
+start_step: 0
+end_step: 4
+pruners:
+  - names: ['^fc1$', 'conv.*']
+    target_sparsity: 0.75
+  - op_names: [fc2]
+    pattern: '2:4'
+"""
+NC1_YAML = """\
+model: {name: imagenet_prune, framework: pytorch}
+pruning:
+  approach:
+    weight_compression_pytorch:
+      initial_sparsity: 0.0
+      target_sparsity: 0.9
+      start_step: 0
+      end_step: 10
+      excluded_names: ["classifier"]
+      sparsity_decay_type: "exp"
+      pruners:
+        - !Pruner
+            prune_type: "magnitude"
+            names: ['layer1.*']
+            prune_domain: "global"
+            pattern: "tile_pattern_4x1"
+        - !Pruner {start_step: 1, end_step: 1, target_sparsity: 0.5, names: ['layer2.*'], pattern: "tile_pattern_2:4"}
+"""
+NC2_YAML = """\
+pruning_type: snip_momentum
+target_sparsity: 0.8
+pattern: 4x1
+start_step: 0
+end_step: 20
+pruning_configs:
+  - op_names: ['layer1.*']
+    pruning_scope: local
+  - op_names: ['fc']
+    pattern: '2:4'
+    target_sparsity: 0.5
+"""
+YAML_TOKENS = [
+    "&a ", "*a", "&b [*a, *a, *a]", "*b", "!!python/object/apply:os.system ", "!!python/name:os.system ",
+    "!Pruner ", "!PrunerV2 ", "!Other ", "!!binary ", "!!int ", "!!float ", "!!timestamp ", "!!set ", "!!omap ",
+    "!!str ", "!!map ", "!!seq ", "<<: ", "<<: *a\n", "? ", ": ", "- ", "[", "]", "{", "}", ",", "'", '"', "|", ">",
+    "# ", "%YAML 1.1\n", "%TAG ! tag:x,2000:\n", "---\n", "...\n", "\t", "\x00", "\ufeff", "\\x", "1:1:1:1:1",
+    "9" * 200, "1" + ":1" * 80, ".inf", ".nan", "~", "null", "yes", "2001-13-45", "0x", "0o9", "1e9999", "\n", "  ",
+    "@", "`", "\u2028", "\ud7ff", "é",
+]
+
+
+def _yaml_mutants(base, rng, n):
+    """n hostile variants of one YAML file: bit flips, inserted YAML syntax, deletions, duplicated and
+    reindented lines, truncations."""
+    data = base.encode()
+    out = []
+    for _ in range(n):
+        b = bytearray(data)
+        for _ in range(rng.randint(1, 2)):
+            op = rng.random()
+            pos = rng.randrange(len(b) + 1)
+            if op < 0.25 and b:
+                b[min(pos, len(b) - 1)] ^= 1 << rng.randrange(8)
+            elif op < 0.6:
+                b[pos:pos] = rng.choice(YAML_TOKENS).encode("utf-8", "surrogatepass")
+            elif op < 0.75:
+                del b[pos:pos + rng.randint(1, 12)]
+            elif op < 0.9:
+                lines = bytes(b).split(b"\n")
+                i = rng.randrange(len(lines))
+                lines.insert(rng.randrange(len(lines) + 1), b" " * rng.randint(0, 6) + lines[i])
+                b = bytearray(b"\n".join(lines))
+            else:
+                del b[pos:]
+        out.append(bytes(b))
+    return out
+
+
+def _yaml_crafted():
+    """Documents built to hurt a YAML reader: alias bombs (lists, maps, merge keys), recursion, deep nesting,
+    quadratic numbers, many documents, huge scalars."""
+    docs = []
+    for width, depth in ((9, 9), (10, 6), (100, 3), (2, 20)):
+        items = ["&l0 [" + ", ".join(["x"] * width) + "]"]
+        items += [f"&l{i} [" + ", ".join([f"*l{i - 1}"] * width) + "]" for i in range(1, depth)]
+        docs.append("names: [" + ", ".join(items) + "]\n")
+    maps = ["m0: &m0 {" + ", ".join(f"k{j}: v" for j in range(9)) + "}"]
+    maps += [f"m{i}: &m{i} {{" + ", ".join(f"k{j}: *m{i - 1}" for j in range(9)) + "}" for i in range(1, 8)]
+    docs.append("\n".join(maps) + "\n")
+    merges = ["a0: &a0 {" + ", ".join(f"k{j}: v" for j in range(9)) + "}"]
+    merges += [f"a{i}: &a{i} {{<<: [" + ", ".join([f"*a{i - 1}"] * 9) + "]}" for i in range(1, 8)]
+    docs.append("\n".join(merges) + "\n")
+    docs += ["&a [*a]\n", "&a {k: *a}\n", "pruners: &p [{names: *p}]\n", "a: &a [&b [*a]]\n"]
+    docs += ["[" * n + "]" * n for n in (65, 1000, 100_000)]
+    docs += ["{a: " * n + "1" + "}" * n for n in (65, 2000)]
+    docs += ["".join("  " * i + f"k{i}:\n" for i in range(n)) for n in (70, 1500)]
+    docs += ["- " * n + "x\n" for n in (70, 1500)]
+    docs += ["start_step: 1" + ":1" * 200_000 + "\n", "target_sparsity: 1" + ":1" * 100_000 + ".5\n"]
+    docs += ["---\n" * 10_000, "a: '" + "x" * 900_000 + "'\n", "a: " + "x" * 900_000 + "\n", "? " * 30_000]
+    docs += [f"a: {v}\n" for v in ("!!timestamp fc2", "!!int", "!!int abc", "!!bool maybe", "!!float .",
+                                    "!!timestamp 2001-02-30", "!!int 0x", "!!set [1]", "!!python/name:os.system")]
+    docs += ["a: !!binary " + "A" * 100_001 + "\n", "!!set {" + ", ".join(f"k{i}" for i in range(200_000)) + "}"]
+    return docs
+
+
+def _hostile_yaml_files(rng):
+    files = []
+    for name, base in (("prunekit", PRUNEKIT_YAML), ("nc1", NC1_YAML), ("nc2", NC2_YAML)):
+        files += [(name, m) for m in _yaml_mutants(base, rng, 120)]
+    return files
+
+
+def test_fuzz_yaml_configs_of_both_dialects(tmp_path):
+    """Fixed seed: 360 mutants of prunekit's and Neural Compressor's config files,
+    read by prunekit's YAML reader, PruningConfig.from_yaml and Neural Compressor's load_config. Every file
+    either reads or raises a ValueError/TypeError; the reader's own refusals are UnreadableFileError starting
+    with the path, and short. No RecursionError, UnicodeDecodeError, hang or other exception."""
+    from prunekit.compat import neural_compressor as nc
+    from prunekit.io import UnreadableFileError, read_yaml
+    from prunekit.training import PruningConfig
+
+    rng = random.Random(YAML_SEED)
+    files = _hostile_yaml_files(rng)
+    assert len(files) == 360
+    path = str(tmp_path / "c.yaml")
+    dialects = ((lambda p: read_yaml(p), PruningConfig.from_yaml),
+                (lambda p: read_yaml(p, mapping_tags=("!Pruner", "!PrunerV2")),
+                 lambda p: nc.load_config(p).to_pruning_config()))
+    outcomes = {"read": 0, "refused by the reader": 0, "refused as a config": 0}
+    for i, (origin, data) in enumerate(files):
+        _write(path, data)
+        for read, load in dialects:
+            try:
+                read(path)
+                parsed = True
+                outcomes["read"] += 1
+            except UnreadableFileError as e:
+                msg = str(e)
+                assert msg.startswith(path + ": ") and len(msg) < 500, (i, origin, msg[:500])
+                parsed = False
+                outcomes["refused by the reader"] += 1
+            try:
+                load(path)
+            except UnreadableFileError as e:  # the same refusal, through the config's own reader
+                assert not parsed and str(e).startswith(path + ": "), (i, origin, str(e)[:300])
+            except (ValueError, TypeError) as e:  # a config error, about a document that did parse
+                assert parsed, (i, origin, str(e)[:300])
+                outcomes["refused as a config"] += 1
+    # the fuzz exercises every side: files that parse and are judged as configs, and files the reader refuses
+    assert min(outcomes.values()) >= 100, outcomes
+
+
+def test_every_crafted_yaml_bomb_is_refused_by_the_reader(tmp_path):
+    """Alias bombs, recursion, deep nesting, quadratic numbers, huge files: refused before anything is built,
+    by prunekit's YAML reader and so by PruningConfig.from_yaml and Neural Compressor's load_config."""
+    from prunekit.compat import neural_compressor as nc
+    from prunekit.io import UnreadableFileError, read_yaml
+    from prunekit.training import PruningConfig
+
+    path = str(tmp_path / "c.yaml")
+    read, refused = [], set()
+    for doc in _yaml_crafted():
+        _write(path, doc.encode())
+        try:
+            read.append(len(read_yaml(path)["a"]))
+            continue
+        except UnreadableFileError as e:
+            assert str(e).startswith(path + ": ") and len(str(e)) < 300
+            refused.add(str(e)[len(path) + 2:].split(" (")[0].split(";")[0])
+        for load in (PruningConfig.from_yaml, nc.load_config):  # the config readers refuse it the same way
+            with pytest.raises(UnreadableFileError, match="^" + re.escape(path + ": ")):
+                load(path)
+    assert read == [900_000, 900_000]  # one long string is a legal config value (under the 1 MiB limit)
+    assert refused == {"expands to more than 100000 values through aliases", "an alias refers to a value that contains it",
+                       "not valid YAML", "a number 200003 characters long", "a number 400001 characters long",
+                       "larger than 1048576 bytes"}
+
+
+def test_the_pure_python_yaml_parser_refuses_the_same_bombs(tmp_path, monkeypatch):
+    """Without libyaml (pyyaml built without it) the same documents are refused the same way."""
+    yaml = pytest.importorskip("yaml")
+    from prunekit.io import UnreadableFileError, read_yaml
+    from prunekit.io import reader
+
+    monkeypatch.delattr(yaml, "CSafeLoader", raising=False)
+    monkeypatch.setattr(reader, "_YAML_LOADERS", {})
+    assert reader._yaml_loader(()).__mro__[1] is yaml.SafeLoader
+    path = str(tmp_path / "c.yaml")
+    small = [d for d in _yaml_crafted() if len(d) < 50_000] + ["[" * 100_000 + "]" * 100_000]
+    assert len(small) >= 15
+    for doc in small:
+        _write(path, doc.encode())
+        with pytest.raises(UnreadableFileError) as info:
+            read_yaml(path)
+        assert str(info.value).startswith(path + ": ") and len(str(info.value)) < 300
+    _write(path, b"pruners:\n  - !Pruner {names: [fc], target_sparsity: 0.5}\n")
+    assert read_yaml(path, mapping_tags=("!Pruner",)) == {"pruners": [{"names": ["fc"], "target_sparsity": 0.5}]}
+
+
+def test_fuzzed_configs_on_the_command_line_exit_0_or_2_with_one_line(tmp_path, capsys):
+    """prunekit prune --config on mutants of a config: it prunes (exit 0), or one line and exit 2."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    tests = here if os.path.exists(os.path.join(here, "cli_models.py")) else os.path.dirname(here)
+    model = os.path.join(tests, "cli_models.py") + ":make_mlp"
+    rng = random.Random(YAML_SEED + 1)
+    config = PRUNEKIT_YAML.replace("^fc1$', 'conv.*'", "^0$', '^2$'").replace("[fc2]", "['^4$']")
+    codes = []
+    for i, data in enumerate([config.encode()] + _yaml_mutants(config, rng, 16)):
+        path = tmp_path / f"c{i}.yaml"
+        path.write_bytes(data)
+        out = tmp_path / f"o{i}.safetensors"
+        code = main(["prune", "--model", model, "--config", str(path), "--out", str(out), "--json"])
+        stdout, err = capsys.readouterr()
+        codes.append(code)
+        assert code in (0, 2), (i, data, err)
+        if code == 2:
+            assert stdout == "" and len(err.strip().splitlines()) == 1 and err.startswith("prunekit: error: ")
+            assert not out.exists()
+    assert codes[0] == 0 and codes.count(2) >= 12, codes

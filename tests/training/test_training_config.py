@@ -120,3 +120,56 @@ def test_config_errors_from_prepare_pruning_leave_the_model_untouched(framework,
     assert not prunekit.is_pruned(model)
     after = {k: framework.to_torch(v) for k, v in model.state_dict().items()}
     assert before.keys() == after.keys() and all(before[k].equal(after[k]) for k in before)
+
+
+# ---------------------------------------------------------------------- config files through the hostile reader
+def test_config_files_are_bounded_strict_and_parsed_by_libyaml(tmp_path):
+    from prunekit.io import UnreadableFileError
+
+    bomb = ", ".join(["&a [x, x, x, x, x, x, x, x, x]"] + [
+        f"&{c} [" + ", ".join(["*" + p] * 9) + "]" for p, c in zip("abcde", "bcdef")])
+    cases = {
+        # a valid config, only too large: 1 MiB is the limit for a config
+        "big.yaml": ("prune_type: magnitude\nnames: [" + ", ".join(["'^fc$'"] * 150_000) + "]\n",
+                     "larger than 1048576 bytes"),
+        "bomb.yaml": ("prune_type: magnitude\nnames: [" + bomb + "]\n",
+                      "expands to more than 100000 values through aliases"),
+        "dup.yaml": ("prune_type: magnitude\ntarget_sparsity: 0.5\ntarget_sparsity: 0.9\n",
+                     "not valid YAML (duplicate key 'target_sparsity', line 3); keep one"),
+        "dup.json": ('{"prune_type": "magnitude", "target_sparsity": 0.5, "target_sparsity": 0.9}',
+                     "not valid JSON (duplicate key 'target_sparsity')"),
+        "nan.json": ('{"target_sparsity": NaN}', "not valid JSON (NaN is not JSON)"),
+        "self.yaml": ("pruners: &p [{names: *p}]\n", "an alias refers to a value that contains it"),
+        "number.yaml": ("start_step: 1" + ":0" * 3000 + "\n", "a number 6001 characters long"),
+        "stamp.yaml": ("start_step: 2001-13-01\n", "not valid YAML (month must be in 1..12)"),
+        "two.yaml": ("prune_type: magnitude\n---\nprune_type: snip\n", "expected a single document in the stream"),
+    }
+    for name, (text, match) in cases.items():
+        (tmp_path / name).write_text(text)
+        for load in (PruningConfig.from_yaml, load_config):
+            path = str(tmp_path / name)
+            with pytest.raises(UnreadableFileError) as info:
+                load(path)
+            msg = str(info.value)
+            assert msg.startswith(path + ": ") and match in msg and len(msg) < 300, (name, msg[:300])
+    assert len((tmp_path / "bomb.yaml").read_text()) < 300
+    # a valid JSON config reads the same as its YAML
+    (tmp_path / "ok.json").write_text('{"prune_type": "magnitude", "target_sparsity": 0.5, "names": ["fc"]}')
+    (tmp_path / "ok.yaml").write_text("prune_type: magnitude\ntarget_sparsity: 0.5\nnames: [fc]\n")
+    assert PruningConfig.from_yaml(str(tmp_path / "ok.json")) == load_config(str(tmp_path / "ok.yaml"))
+
+
+def test_config_yaml_is_parsed_by_libyaml_when_pyyaml_has_it():
+    yaml = pytest.importorskip("yaml")
+    from prunekit.io.reader import _yaml_loader
+
+    if not yaml.__with_libyaml__:
+        pytest.skip("this pyyaml is built without libyaml")
+    assert issubclass(_yaml_loader(()), yaml.CSafeLoader)
+
+
+def test_config_errors_quote_values_short():
+    with pytest.raises(TypeError) as info:
+        PruningConfig.from_dict({"names": [[str(i)] for i in range(100_000)]})
+    msg = str(info.value)
+    assert msg.startswith("pruning config: names=[['0'], ['1'], ") and "...]" in msg and len(msg) < 300

@@ -4,7 +4,9 @@ Subcommands: ``demo``, ``inspect``, ``prune``, ``compact``, ``sparsify``; each h
 ``--help`` with examples and ``--json`` for machine-readable output. Exit codes:
 0 success, 1 failure while working, 2 bad arguments (missing file, unknown
 method, amount outside [0, 1], a pickle without ``--trust-pickle``), 130
-interrupted. Errors are one line on stderr; ``--debug`` (before the subcommand)
+interrupted. A file the hostile reader refuses (not a regular file, too large, malformed,
+damaged, unsigned when a key is given, needing unpickling) exits 2 wherever it is read.
+Errors are one line on stderr; ``--debug`` (before the subcommand)
 adds the traceback above it and keeps the exit code.
 
 Needs ``rich`` for tables and progress bars (``pip install prunekit[cli]``);
@@ -85,6 +87,9 @@ def _setup_logging(verbose: int) -> Callable[[], None]:
     return undo
 
 
+_MAX_LINE = 2000
+
+
 def _fail(e: BaseException, code: int, debug: bool, line: str) -> int:
     """Report a failure as ``line`` on stderr (after the traceback with ``--debug``); returns ``code``.
 
@@ -92,6 +97,8 @@ def _fail(e: BaseException, code: int, debug: bool, line: str) -> int:
     """
     if debug:
         traceback.print_exception(e, file=sys.stderr)
+    if len(line) > _MAX_LINE:  # a message quoting a huge value from a file stays one readable line
+        line = f"{line[:_MAX_LINE]}... ({len(line)} characters)"
     print(f"prunekit: error: {line}", file=sys.stderr)
     return code
 
@@ -128,11 +135,26 @@ def main(argv: Optional[List[str]] = None) -> int:
             undo_logging()
     except CliError as e:
         return _fail(e, e.code, debug, first_line(e))
+    except ValueError as e:
+        if _bad_input(e):  # a file refused by the file layer, wherever it was read: the user's input
+            return _fail(e, USAGE_ERROR, debug, first_line(e))
+        return _fail(e, FAILURE, debug, f"{type(e).__name__}: {first_line(e)}" + _hint(debug))
     except KeyboardInterrupt:
         print("prunekit: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return FAILURE
     except Exception as e:  # a failure while working: one line, the traceback only with --debug
-        hint = "" if debug else " (rerun with --debug for the traceback)"
-        return _fail(e, FAILURE, debug, f"{type(e).__name__}: {first_line(e)}{hint}")
+        return _fail(e, FAILURE, debug, f"{type(e).__name__}: {first_line(e)}" + _hint(debug))
+
+
+def _hint(debug: bool) -> str:
+    return "" if debug else " (rerun with --debug for the traceback)"
+
+
+def _bad_input(e: BaseException) -> bool:
+    """Whether ``e`` is the file layer refusing a file (unreadable, damaged, unsigned, needs unpickling):
+    the user's input, reported like a bad argument (exit 2), wherever in a command it surfaced."""
+    from prunekit.io.errors import UnreadableFileError, UnsafeCheckpointError
+
+    return isinstance(e, (UnreadableFileError, UnsafeCheckpointError))

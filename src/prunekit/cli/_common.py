@@ -137,17 +137,23 @@ def load_factory(spec: str, kwargs_json: Optional[str] = None) -> Any:
 
 
 KEY_ENV = "PRUNEKIT_KEY"
+KEY_LIMIT = 64 * 1024  # a secret is tens of bytes; a larger "key file" is the wrong file
 
 
 def read_key(key_file: Optional[str]) -> Optional[bytes]:
     """The secret that verifies signed checkpoints: the bytes of ``--key-file`` (exactly as stored), else
-    the ``PRUNEKIT_KEY`` environment variable (UTF-8), else ``None``. Never a command-line value: other
-    users of the machine can read a process's arguments."""
+    the bytes of the ``PRUNEKIT_KEY`` environment variable (UTF-8 for text), else ``None``. Never a
+    command-line value: other users of the machine can read a process's arguments. The key file goes
+    through the hostile reader: a regular file of at most 64 KiB (a FIFO, a device or a larger file
+    exits 2, never cut short)."""
     if key_file is not None:
+        from prunekit.io.reader import read_bytes
+
         existing_file(key_file, "key file")
         try:
-            with open(key_file, "rb") as f:
-                key = f.read(1 << 20)
+            key = read_bytes(key_file, limit=KEY_LIMIT, what="key file")
+        except ValueError as e:
+            raise CliError(_why(key_file, e)) from None
         except OSError as e:
             raise CliError(f"cannot read key file {key_file}: {e.strerror or e}") from None
         if not key:
@@ -158,24 +164,37 @@ def read_key(key_file: Optional[str]) -> Optional[bytes]:
     if env is not None:
         if not env:
             raise CliError(f"{KEY_ENV} is set but empty; unset it or give the secret")
-        return env.encode("utf-8")
+        return os.fsencode(env)  # the bytes as set (UTF-8 text, or whatever bytes the environment holds)
     return None
 
 
 def read_state_dict(path: str, trust_pickle: bool, what: str = "weights file",
                     key: Optional[bytes] = None) -> Tuple[Dict[str, Any], str]:
-    """Read a checkpoint file (state dict, pruned, compressed, safetensors); returns ``(tensors, kind)``.
+    """Read a checkpoint (state dict, pruned, compressed, safetensors, or a compressed-tensors model
+    folder) through :func:`prunekit.io.read_checkpoint`; returns ``(tensors, kind)``.
 
-    With ``key``, only a signed prunekit checkpoint whose signature verifies is read."""
+    With ``key``, only a signed prunekit checkpoint whose signature verifies is read (anything else is
+    refused before it is read). Every unreadable file is a one-line :class:`CliError` (exit 2)."""
     from prunekit.report import UnsafeCheckpointError, read_checkpoint
 
-    existing_file(path, what)
+    if not os.path.lexists(path):
+        raise CliError(f"{what} not found: {path}")
     try:
         return read_checkpoint(path, trust_pickle=trust_pickle, key=key)
     except UnsafeCheckpointError as e:
-        raise CliError(str(e)) from None
+        raise CliError(first_line(e)) from None
+    except ImportError as e:  # an optional reader (compressed-tensors) is not installed
+        raise CliError(f"cannot read {path}: {first_line(e)}", FAILURE) from None
     except (ValueError, OSError) as e:
         raise CliError(_why(path, e)) from None
+
+
+def path_bytes(path: str) -> int:
+    """The size of a file, or of the regular files directly inside a folder (a model folder)."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    with os.scandir(path) as it:
+        return sum(e.stat().st_size for e in it if e.is_file(follow_symlinks=False))
 
 
 def load_weights(model: Any, path: Optional[str], trust_pickle: bool) -> Optional[str]:

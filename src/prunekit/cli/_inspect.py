@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 from typing import Any
 
-from ._common import CliError, emit_json, human_bytes, print_report, read_key, read_state_dict
+from ._common import CliError, emit_json, human_bytes, path_bytes, print_report, read_key, read_state_dict
 
 _EPILOG = """\
 examples:
   prunekit inspect model.pt                       a state dict saved with torch.save (read with weights_only=True)
   prunekit inspect pruned.pt                      torch.nn.utils.prune-style (weight_orig / weight_mask)
   prunekit inspect model-90.safetensors --json    prunekit's compressed format, or plain safetensors
+  prunekit inspect out/                           a Hugging Face folder in the compressed-tensors layout
   prunekit inspect full-model.pt --trust-pickle   a pickled nn.Module (runs code from the file: trusted files only)
   prunekit inspect signed.safetensors --key-file secret.key
                                                   verify a file saved with save_compressed(..., key=...)
@@ -31,7 +31,8 @@ def add_parser(sub: Any) -> None:
                        description="Show shapes and sparsity (element-wise, by channel, 2:4, 4x1 blocks) of every "
                                    "weight in a checkpoint, with totals.",
                        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help=".pt/.pth state dict, .safetensors, or a prunekit compressed checkpoint")
+    p.add_argument("checkpoint", help=".pt/.pth state dict, .safetensors, a prunekit compressed checkpoint, "
+                                      "or a compressed-tensors model folder")
     p.add_argument("--trust-pickle", action="store_true",
                    help="allow full unpickling for files torch.load(weights_only=True) refuses (runs code!)")
     p.add_argument("--key-file", metavar="FILE",
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"prunekit: note: {path} is signed; its signature was not verified (checksums were): "
               "pass --key-file FILE or set PRUNEKIT_KEY", file=sys.stderr)
     report = model_report(sd)
-    size = os.path.getsize(path)
+    size = path_bytes(path)
     if args.json:
         emit_json({"command": "inspect", "path": path, "format": kind, "signature": signature, "bytes": size,
                    "report": report.to_dict()})

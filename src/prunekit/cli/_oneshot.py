@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Any, List, Optional, Tuple
 
@@ -59,8 +58,15 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+CALIBRATION_LIMIT = 64 * 1024 * 1024  # a few hundred samples are kilobytes; 64 MiB is far past any real set
+
+
 def read_calibration(path: str) -> List[str]:
     """Samples from a text file (one per non-empty line) or a JSON list of strings.
+
+    The file goes through prunekit's hostile reader: a regular file (a FIFO or
+    ``/dev/zero`` exits 2 at once) of at most 64 MiB of UTF-8, strict JSON for
+    ``.json``.
 
     Example:
         >>> import json, os, tempfile
@@ -72,17 +78,17 @@ def read_calibration(path: str) -> List[str]:
         ...     read_calibration(p)
         ['one sample', 'another']
     """
+    from prunekit.io.reader import loads_json_strict, read_text
+
     existing_file(path, "--calibration")
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CliError(f"--calibration {path}: cannot read it as UTF-8 text ({first_line(e)})") from None
+        text = read_text(path, limit=CALIBRATION_LIMIT, what="calibration file")
+        data = loads_json_strict(text, path) if path.endswith(".json") else None
+    except ValueError as e:  # not a regular file, too large, not UTF-8, not strict JSON: named by the reader
+        raise CliError(f"--calibration {first_line(e)}") from None
+    except OSError as e:
+        raise CliError(f"--calibration {path}: cannot read it ({first_line(e)})") from None
     if path.endswith(".json"):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise CliError(f"--calibration {path}: not valid JSON ({e.msg}, line {e.lineno}); write a list of strings") from None
         if not isinstance(data, list) or not all(isinstance(s, str) for s in data):
             raise CliError(f"--calibration {path}: must hold a JSON list of strings, e.g. [\"a sentence\", \"another\"]")
         samples = [s for s in data if s.strip()]

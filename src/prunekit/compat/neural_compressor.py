@@ -62,6 +62,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
+from ..io.errors import UnreadableFileError
+from ..io.reader import read_yaml
 from ..kernels.patterns import get_pattern
 from ..training import PrunerConfig, PruningCallbacks, PruningConfig, prepare_pruning as _prepare_pruning
 from ..training.config import ALIASES
@@ -492,29 +494,15 @@ def _classifier_head(model: nn.Module) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------- reading configs
+_NC_TAGS = ("!Pruner", "!PrunerV2")  # Neural Compressor's YAML tags for one pruner entry
+
+
 def _yaml_load(path: str) -> Any:
+    """A Neural Compressor YAML file through prunekit's hostile reader (its ``!Pruner`` tags read as dicts)."""
     try:
-        import yaml
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("reading a YAML config needs pyyaml: pip install 'prunekit[yaml]'") from e
-
-    class _Loader(yaml.SafeLoader):
-        pass
-
-    def entry(loader: Any, node: Any) -> Dict[str, Any]:
-        if not isinstance(node, yaml.MappingNode):
-            raise yaml.constructor.ConstructorError(None, None, f"{node.tag} needs a mapping of keys", node.start_mark)
-        return dict(loader.construct_mapping(node, deep=True))
-
-    _Loader.add_constructor("!Pruner", entry)
-    _Loader.add_constructor("!PrunerV2", entry)
-    try:
-        with open(path, "r", encoding="utf-8") as f:
-            return yaml.load(f, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+        return read_yaml(path, what="Neural Compressor config", mapping_tags=_NC_TAGS)
     except FileNotFoundError:
-        raise ValueError(f"config file not found: {path}") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"config {path} is not valid YAML: {str(e).splitlines()[0] if str(e) else e}") from None
+        raise UnreadableFileError(f"config file not found: {path}") from None
 
 
 _SECTIONS = {"weight_compression_pytorch": "1.x", "weight_compression_v2": "2.x"}

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional, Tuple, Union
 import torch
 
 from ..errors import first_line
-from .errors import UnreadableFileError, UnsafeCheckpointError
+from .errors import CheckpointSignatureError, UnreadableFileError, UnsafeCheckpointError
 from .reader import open_regular, read_safetensors
 
 __all__ = ["read_checkpoint", "read_torch", "read_plain_safetensors", "read_prunekit", "unwrap_state_dict"]
@@ -38,6 +38,14 @@ def _unreadable(path: str, detail: str = "") -> UnreadableFileError:
         f"{path}: not a torch checkpoint or a safetensors file" + (f" ({detail})" if detail else "")
         + "; give a file written by torch.save(model.state_dict(), path), safetensors.torch.save_file "
         "or prunekit.sparse.save_compressed"
+    )
+
+
+def _unsigned(path: str, kind: str) -> CheckpointSignatureError:
+    """The error for a file read with a key that cannot carry a signature (checked before it is read)."""
+    return CheckpointSignatureError(
+        f"{path}: a key was given, but this {kind} file carries no signature (only prunekit compressed "
+        "checkpoints written with save_compressed(..., key=...) are signed); refusing an unauthenticated file"
     )
 
 
@@ -69,6 +77,9 @@ def unwrap_state_dict(obj: Any, path: str) -> "OrderedDict[str, torch.Tensor]":
 def read_torch(path: PathLike, *, trust_pickle: bool = False, key: Any = None) -> "OrderedDict[str, torch.Tensor]":
     """Read a ``torch.save`` file: ``weights_only=True`` unless ``trust_pickle``; a state dict.
 
+    A torch file carries no signature: with a ``key`` it is refused before a
+    byte is read (so nothing is unpickled, ``trust_pickle`` or not).
+
     Example:
         >>> import os, tempfile, torch
         >>> p = os.path.join(tempfile.mkdtemp(), "m.pt"); torch.save(torch.nn.Linear(2, 2).state_dict(), p)
@@ -76,6 +87,8 @@ def read_torch(path: PathLike, *, trust_pickle: bool = False, key: Any = None) -
         ['weight', 'bias']
     """
     path = os.fspath(path)
+    if key is not None:
+        raise _unsigned(path, "torch")
     with open_regular(path, what="checkpoint file") as f:
         try:
             obj = torch.load(f, map_location="cpu", weights_only=True)
@@ -110,6 +123,8 @@ def read_plain_safetensors(path: PathLike, *, trust_pickle: bool = False,
         [1.0, 1.0, 1.0]
     """
     path = os.fspath(path)
+    if key is not None:
+        raise _unsigned(path, "safetensors")
     try:
         tensors, _ = read_safetensors(path)
     except UnreadableFileError as e:
@@ -150,7 +165,10 @@ def read_checkpoint(path: PathLike, *, trust_pickle: bool = False,
     file names. ``key`` verifies a signed prunekit checkpoint; with a key, a
     file that carries no signature (an unsigned prunekit checkpoint, or any
     other format) raises :class:`CheckpointSignatureError`, as
-    ``load_compressed`` does.
+    ``load_compressed`` does. A key means "authenticated files only": the
+    format is recognised from the file's first bytes and safetensors header
+    alone, and anything but a prunekit checkpoint is refused before it is
+    read -- a torch file is never unpickled, even with ``trust_pickle=True``.
 
     Example:
         >>> import os, tempfile, torch
@@ -161,17 +179,17 @@ def read_checkpoint(path: PathLike, *, trust_pickle: bool = False,
         >>> list(sd), kind
         (['weight', 'bias'], 'torch')
     """
-    from .formats import read
+    from .formats import ENCODINGS, probe, read
 
-    data, kind = read(path, trust_pickle=trust_pickle, key=key)
-    if key is not None and kind != "prunekit-compressed":
-        from .errors import CheckpointSignatureError
-
-        raise CheckpointSignatureError(
-            f"{path}: a key was given, but this {kind} file carries no signature (only prunekit compressed "
-            "checkpoints written with save_compressed(..., key=...) are signed); refusing an unauthenticated file"
-        )
-    return data, kind
+    if key is None:
+        return read(path, trust_pickle=trust_pickle)
+    pr = probe(path)  # regular file or folder, first bytes, validated safetensors header: nothing decoded
+    kind = next((e.name for e in ENCODINGS.values() if e.reader and e.claims is not None and e.claims(pr)), None)
+    if kind is None:
+        return read(path, key=key)  # a folder no format claims: refused by the table, naming the path
+    if kind != "prunekit-compressed":
+        raise _unsigned(os.fspath(path), kind)
+    return read(path, format=kind, key=key)
 
 
 def write_torch(obj: Any, path: PathLike) -> None:

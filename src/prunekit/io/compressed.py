@@ -879,7 +879,7 @@ def _load_from(f: IO[bytes], header: SafetensorsHeader, path: str,
         if signature is None:
             raise CheckpointSignatureError(f"{path}: the checkpoint is not signed, but a key was given; "
                                            "refusing an unauthenticated file")
-        if not hmac.compare_digest(signature, _signature(secret, index_json)):
+        if not hmac.compare_digest(signature.encode("utf-8"), _signature(secret, index_json).encode("ascii")):
             raise CheckpointSignatureError(f"{path}: the signature does not verify (wrong key, or the file "
                                            "was altered)")
     elif signature is not None:

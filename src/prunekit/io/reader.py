@@ -5,10 +5,19 @@ Every file is treated as if a stranger wrote it:
 * only regular files are read: a FIFO, a device (``/dev/zero``), a socket or a
   directory is refused *before* a byte is read (a FIFO is opened non-blocking,
   so it cannot hang the caller);
-* reads are bounded: a text file over its limit is refused, and a safetensors
-  header is checked against the file's real size before it is parsed;
+* reads are bounded: a file's size is checked before anything is allocated
+  (a config over 1 MiB, a text over 64 MiB, a key over its limit is refused,
+  never cut short), and a safetensors header is checked against the file's
+  real size before it is parsed;
 * JSON is parsed strictly: duplicate keys, ``NaN``/``Infinity`` and absurd
   nesting are errors, not silently accepted;
+* YAML is parsed safely (no Python objects) by libyaml's C parser when pyyaml
+  has it, and its node graph is checked before anything is built: aliases
+  that expand past a bound, recursive aliases, deep nesting, duplicate keys
+  and absurd numbers are errors;
+* nothing here unpickles: ``torch.save`` files are read by
+  :mod:`prunekit.io.checkpoint`, with ``weights_only=True`` unless the caller
+  trusts the file and asks for no key;
 * every refusal is an :class:`~prunekit.io.errors.UnreadableFileError` (a
   ``ValueError``) whose message starts with the path and says why.
 
@@ -22,7 +31,7 @@ import json
 import math
 import os
 import stat
-from typing import IO, Any, Dict, List, Tuple, Type
+from typing import IO, Any, Dict, List, Sequence, Tuple, Type
 
 import torch
 
@@ -30,6 +39,10 @@ from .errors import UnreadableFileError
 
 __all__ = [
     "TEXT_LIMIT",
+    "CONFIG_LIMIT",
+    "YAML_MAX_VALUES",
+    "read_bytes",
+    "loads_yaml_strict",
     "file_kind",
     "loads_json_strict",
     "open_regular",
@@ -113,10 +126,7 @@ def read_text(path: Any, *, limit: int = TEXT_LIMIT, what: str = "file") -> str:
         'hi'
     """
     path = os.fspath(path)
-    with open_regular(path, what=what) as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise UnreadableFileError(f"{path}: larger than {limit} bytes; a {what} is never that large")
+    data = read_bytes(path, limit=limit, what=what)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -186,11 +196,218 @@ def read_json(path: Any, *, limit: int = TEXT_LIMIT, what: str = "JSON file") ->
     return loads_json_strict(read_text(path, limit=limit, what=what), path)
 
 
-def read_yaml(path: Any, *, limit: int = TEXT_LIMIT, what: str = "YAML file", max_nodes: int = 1_000_000) -> Any:
-    """Read a YAML file with ``yaml.safe_load`` through the hostile reader (an empty file is ``{}``).
+def read_bytes(path: Any, *, limit: int, what: str = "file") -> bytes:
+    """Read a whole regular file of at most ``limit`` bytes; a larger one is refused, never cut short.
 
-    Aliases are allowed, but a document that expands to more than ``max_nodes``
-    values (a "billion laughs" file) is refused.
+    The size is checked (``fstat``) before anything is allocated, and the read
+    stops at ``limit + 1`` bytes whatever the file claims.
+
+    Example:
+        >>> import os, tempfile
+        >>> p = os.path.join(tempfile.mkdtemp(), "k.key"); _ = open(p, "wb").write(b"s3cret")
+        >>> read_bytes(p, limit=64, what="key file")
+        b's3cret'
+        >>> try:
+        ...     read_bytes(p, limit=4, what="key file")
+        ... except UnreadableFileError as e:
+        ...     print(str(e)[len(p):])
+        : larger than 4 bytes (6 bytes); a key file is never that large
+    """
+    path = os.fspath(path)
+    with open_regular(path, what=what) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise UnreadableFileError(f"{path}: larger than {limit} bytes ({size} bytes); a {what} is never that large")
+        data = f.read(size + 1)  # a file still growing is caught below
+        if len(data) > size:
+            data += f.read(limit + 1 - len(data))
+    if len(data) > limit:
+        raise UnreadableFileError(f"{path}: larger than {limit} bytes; a {what} is never that large")
+    return data
+
+
+# ----------------------------------------------------------------------------- YAML
+CONFIG_LIMIT = 1024 * 1024  # a pruning or Neural Compressor config is kilobytes, never a megabyte
+YAML_MAX_VALUES = 100_000  # values a config may hold, aliases expanded
+_MAX_NUMBER_CHARS = 100  # a YAML 1.1 sexagesimal int ("1:2:3:...") costs quadratic time in its length
+_YAML_NUMBERS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+_YAML_MERGE = "tag:yaml.org,2002:merge"
+_YAML_LOADERS: Dict[Tuple[Tuple[str, ...], int], Any] = {}
+
+
+def _clip(text: str, n: int = 200) -> str:
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def _yaml_loader(mapping_tags: Tuple[str, ...], max_depth: int = _MAX_DEPTH) -> Any:
+    """A safe loader class (libyaml's C parser when pyyaml has it) that builds a dict for each tag given.
+
+    libyaml refuses nesting past 1,000 levels itself; pyyaml's pure-Python
+    scanner costs time in proportion to the nesting level for every token, so
+    without libyaml a flow collection deeper than ``max_depth`` is refused as
+    it is scanned.
+    """
+    import yaml
+
+    loader = _YAML_LOADERS.get((mapping_tags, max_depth))
+    if loader is None:
+        base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        body: Dict[str, Any] = {}
+        if base is yaml.SafeLoader:
+            def fetch_flow_collection_start(ld: Any, token_class: Any) -> Any:
+                if ld.flow_level >= max_depth:
+                    raise yaml.scanner.ScannerError(None, None, f"nested deeper than {max_depth} levels",
+                                                    ld.get_mark())
+                return base.fetch_flow_collection_start(ld, token_class)
+
+            body["fetch_flow_collection_start"] = fetch_flow_collection_start
+        loader = type("PrunekitYamlLoader", (base,), body)
+
+        def as_dict(ld: Any, node: Any) -> Dict[Any, Any]:
+            if not isinstance(node, yaml.MappingNode):
+                raise yaml.constructor.ConstructorError(None, None, f"{node.tag} needs a mapping of keys",
+                                                        node.start_mark)
+            return dict(ld.construct_mapping(node, deep=True))
+
+        for tag in mapping_tags:
+            loader.add_constructor(tag, as_dict)
+        _YAML_LOADERS[(mapping_tags, max_depth)] = loader
+    return loader
+
+
+def _yaml_reason(e: BaseException) -> str:
+    """What a pyyaml error says, in one short line with its place in the file."""
+    problem = ", ".join(str(p) for p in (getattr(e, "context", None), getattr(e, "problem", None)) if p)
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    if not problem:
+        problem = _first_line(e)
+    where = f", line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+    return _clip(str(problem)) + where
+
+
+def _check_yaml_graph(root: Any, where: str, max_values: int, max_depth: int,
+                      error: Type[ValueError]) -> None:
+    """Refuse a composed YAML document before it is built: alias bombs, recursion, depth, duplicate keys.
+
+    Works on pyyaml's node graph (each anchored node once), iteratively, so its
+    cost is bounded by the file's size whatever the aliases expand to.
+    """
+    import yaml
+
+    size: Dict[int, int] = {}
+    height: Dict[int, int] = {}
+    on_path: set = set()
+    stack: List[Tuple[Any, bool]] = [(root, False)]
+
+    def line(node: Any) -> str:
+        return f"line {node.start_mark.line + 1}"
+
+    while stack:
+        node, finished = stack.pop()
+        nid = id(node)
+        if isinstance(node, yaml.MappingNode):
+            kids = [n for pair in node.value for n in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            kids = node.value
+        else:
+            kids = []
+        if finished:
+            on_path.discard(nid)
+            n = 1 + sum(size[id(k)] for k in kids)
+            h = 1 + max((height[id(k)] for k in kids), default=0)
+            if n > max_values:
+                how = " through aliases (a 'billion laughs' document?)" if len(size) + 1 < n else ""
+                raise error(f"{where}: expands to more than {max_values} values{how}; refusing it")
+            if h > max_depth:
+                raise error(f"{where}: not valid YAML (nested deeper than {max_depth} levels, {line(node)})")
+            size[nid], height[nid] = n, h
+            continue
+        if nid in size:
+            continue
+        if nid in on_path:
+            raise error(f"{where}: an alias refers to a value that contains it ({line(node)}); "
+                        "a recursive document is never a config")
+        if isinstance(node, yaml.ScalarNode):
+            if node.tag in _YAML_NUMBERS and len(node.value) > _MAX_NUMBER_CHARS:
+                raise error(f"{where}: a number {len(node.value)} characters long ({line(node)}); "
+                            f"write at most {_MAX_NUMBER_CHARS}")
+        elif isinstance(node, yaml.MappingNode):
+            seen: set = set()
+            for k, _ in node.value:
+                if isinstance(k, yaml.ScalarNode) and k.tag != _YAML_MERGE:
+                    if (k.tag, k.value) in seen:
+                        raise error(f"{where}: not valid YAML (duplicate key {_clip(k.value, 80)!r}, {line(k)}); "
+                                    "keep one")
+                    seen.add((k.tag, k.value))
+        on_path.add(nid)
+        stack.append((node, True))
+        stack.extend((k, False) for k in kids if id(k) not in size)
+
+
+def loads_yaml_strict(text: str, where: str, *, error: Type[ValueError] = UnreadableFileError,
+                      max_values: int = YAML_MAX_VALUES, max_depth: int = _MAX_DEPTH,
+                      mapping_tags: Sequence[str] = ()) -> Any:
+    """Parse one YAML document safely and strictly; every problem is ``error`` naming ``where``.
+
+    ``yaml.safe_load`` semantics (no Python objects), through libyaml's C parser
+    when pyyaml has it. Before anything is built, the document is refused if
+    its aliases expand it past ``max_values`` values (a "billion laughs"
+    file), if an alias refers to its own container, if it nests deeper than
+    ``max_depth`` levels, if a mapping repeats a key, or if a number is absurdly
+    long. ``mapping_tags`` are local tags (such as ``"!Pruner"``) read as
+    plain dicts. An empty document is ``None``.
+
+    Example:
+        >>> loads_yaml_strict("sparsity: 0.9\\nnames: [fc1, fc2]\\n", "c.yaml")
+        {'sparsity': 0.9, 'names': ['fc1', 'fc2']}
+        >>> try:
+        ...     loads_yaml_strict("a: &x [1, 1]\\nb: &y [*x, *x]\\nc: [*y, *y]", "c.yaml", max_values=10)
+        ... except UnreadableFileError as e:
+        ...     print(e)
+        c.yaml: expands to more than 10 values through aliases (a 'billion laughs' document?); refusing it
+    """
+    try:
+        import yaml
+    except ImportError:
+        raise ImportError("reading a YAML file needs pyyaml: pip install 'prunekit[yaml]'") from None
+    loader = _yaml_loader(tuple(mapping_tags), max_depth)(text)
+    try:
+        try:
+            node = loader.get_single_node()
+        except yaml.YAMLError as e:
+            raise error(f"{where}: not valid YAML ({_yaml_reason(e)})") from None
+        except RecursionError:
+            raise error(f"{where}: not valid YAML (nested too deeply)") from None
+        if node is None:
+            return None
+        _check_yaml_graph(node, where, max_values, max_depth, error)
+        try:
+            return loader.construct_document(node)
+        except yaml.YAMLError as e:
+            raise error(f"{where}: not valid YAML ({_yaml_reason(e)})") from None
+        except RecursionError:  # pragma: no cover - the depth was checked above
+            raise error(f"{where}: not valid YAML (nested too deeply)") from None
+        except (ValueError, OverflowError) as e:  # a timestamp, number or binary value pyyaml cannot build
+            raise error(f"{where}: not valid YAML ({_clip(_first_line(e))})") from None
+        except (TypeError, AttributeError, KeyError, IndexError) as e:  # an explicit tag on a value it cannot take
+            raise error(f"{where}: not valid YAML (a tagged value pyyaml cannot build: "
+                        f"{type(e).__name__} {_clip(_first_line(e))})") from None
+    finally:
+        loader.dispose()
+
+
+def read_yaml(path: Any, *, limit: int = CONFIG_LIMIT, what: str = "YAML file",
+              max_values: int = YAML_MAX_VALUES, mapping_tags: Sequence[str] = ()) -> Any:
+    """Read a YAML config through the hostile reader (an empty file is ``{}``).
+
+    A regular file of at most ``limit`` bytes (1 MiB by default: a config is
+    kilobytes), UTF-8, parsed by :func:`loads_yaml_strict` (safe, strict, alias
+    bombs refused before they expand).
 
     Example:
         >>> import os, tempfile
@@ -198,40 +415,15 @@ def read_yaml(path: Any, *, limit: int = TEXT_LIMIT, what: str = "YAML file", ma
         >>> read_yaml(p)
         {'target_sparsity': 0.9}
     """
-    try:
-        import yaml
-    except ImportError:
-        raise ImportError("reading a YAML file needs pyyaml: pip install 'prunekit[yaml]'") from None
     path = os.fspath(path)
     text = read_text(path, limit=limit, what=what)
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        lines = str(e).strip().splitlines()
-        raise UnreadableFileError(f"{path}: not valid YAML ({lines[0] if lines else type(e).__name__})") from None
-    except RecursionError:
-        raise UnreadableFileError(f"{path}: not valid YAML (nested too deeply)") from None
-    _count_nodes(data, max_nodes, path)
+    data = loads_yaml_strict(text, path, max_values=max_values, mapping_tags=mapping_tags)
     return {} if data is None else data
 
 
-def _count_nodes(obj: Any, limit: int, path: str) -> None:
-    seen = 0
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        seen += 1
-        if seen > limit:
-            raise UnreadableFileError(f"{path}: expands to more than {limit} values (aliases?); refusing it")
-        if isinstance(o, dict):
-            stack.extend(o.keys())
-            stack.extend(o.values())
-        elif isinstance(o, (list, tuple)):
-            stack.extend(o)
-
-
-def read_config(path: Any, *, what: str = "config file") -> Any:
-    """Read a configuration file: JSON for ``.json``, YAML otherwise (YAML also reads JSON).
+def read_config(path: Any, *, what: str = "config file", limit: int = CONFIG_LIMIT,
+                mapping_tags: Sequence[str] = ()) -> Any:
+    """Read a configuration file: strict JSON for ``.json``, YAML otherwise; at most ``limit`` bytes.
 
     Example:
         >>> import os, tempfile
@@ -241,8 +433,8 @@ def read_config(path: Any, *, what: str = "config file") -> Any:
     """
     path = os.fspath(path)
     if path.endswith(".json"):
-        return read_json(path, what=what)
-    return read_yaml(path, what=what)
+        return read_json(path, limit=limit, what=what)
+    return read_yaml(path, limit=limit, what=what, mapping_tags=mapping_tags)
 
 
 # ----------------------------------------------------------------------------- safetensors headers

@@ -57,6 +57,7 @@ import math
 import numbers
 import os
 import re
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
@@ -124,7 +125,7 @@ class PrunerConfig:
         self.prune_type = _as_str(w, "prune_type", self.prune_type)
         if self.prune_type not in PRUNERS:
             raise ValueError(
-                f"{w}: prune_type={self.prune_type!r} is not a registered pruner; use one of {sorted(PRUNERS)}."
+                f"{w}: prune_type={_show(self.prune_type)} is not a registered pruner; use one of {sorted(PRUNERS)}."
                 + did_you_mean(self.prune_type, PRUNERS)
             )
         self.pattern = _as_str(w, "pattern", self.pattern)
@@ -135,13 +136,13 @@ class PrunerConfig:
         self.prune_domain = _as_str(w, "prune_domain", self.prune_domain).lower()
         if self.prune_domain not in _DOMAINS:
             raise ValueError(
-                f"{w}: prune_domain={self.prune_domain!r} is not a scope; use 'global' (one ranking across "
+                f"{w}: prune_domain={_show(self.prune_domain)} is not a scope; use 'global' (one ranking across "
                 f"layers) or 'local' (every layer alike).{did_you_mean(self.prune_domain, _DOMAINS)}"
             )
         self.sparsity_decay_type = _as_str(w, "sparsity_decay_type", self.sparsity_decay_type).lower()
         if self.sparsity_decay_type not in DECAY_TYPES:
             raise ValueError(
-                f"{w}: sparsity_decay_type={self.sparsity_decay_type!r} is not a schedule; use one of "
+                f"{w}: sparsity_decay_type={_show(self.sparsity_decay_type)} is not a schedule; use one of "
                 f"{sorted(DECAY_TYPES)}.{did_you_mean(self.sparsity_decay_type, DECAY_TYPES)}"
             )
         self.start_step = _as_int(w, "start_step", self.start_step, minimum=0)
@@ -166,7 +167,7 @@ class PrunerConfig:
                 t = _as_ratio(w, "target_sparsity", self.target_sparsity)
                 if not math.isclose(t, pat.fixed_sparsity, abs_tol=1e-9):
                     raise ValueError(
-                        f"{w}: target_sparsity={t} does not match pattern {self.pattern!r}, which keeps "
+                        f"{w}: target_sparsity={t} does not match pattern {_show(self.pattern)}, which keeps "
                         f"{pat.n} of every {pat.m} weights (sparsity {pat.fixed_sparsity:g}); set "
                         f"target_sparsity: {pat.fixed_sparsity:g} or leave it out"
                     )
@@ -246,13 +247,13 @@ class PruningConfig:
         if isinstance(self.pruners, PrunerConfig):
             self.pruners = [self.pruners]
         if not isinstance(self.pruners, (list, tuple)) or not self.pruners:
-            raise TypeError(f"pruning config: pruners={self.pruners!r}; write a non-empty list of pruner entries")
+            raise TypeError(f"pruning config: pruners={_show(self.pruners)}; write a non-empty list of pruner entries")
         out = []
         for i, p in enumerate(self.pruners):
             if isinstance(p, Mapping):
                 p = PrunerConfig.from_dict(p, where=f"pruners[{i}]")
             if not isinstance(p, PrunerConfig):
-                raise TypeError(f"pruning config: pruners[{i}]={p!r} is neither a dict nor a PrunerConfig")
+                raise TypeError(f"pruning config: pruners[{i}]={_show(p)} is neither a dict nor a PrunerConfig")
             out.append(p)
         self.pruners = out
 
@@ -277,14 +278,14 @@ class PruningConfig:
             entries = [entries]
         if not isinstance(entries, (list, tuple)) or not entries:
             raise TypeError(
-                f"pruning config: pruners={entries!r}; write a non-empty list of dicts, "
+                f"pruning config: pruners={_show(entries)}; write a non-empty list of dicts, "
                 "e.g. pruners: [{names: ['^fc']}]"
             )
         out = []
         for i, e in enumerate(entries):
             where = f"pruners[{i}]"
             if not isinstance(e, Mapping):
-                raise TypeError(f"{where}: expected a dict of keys, got {e!r}")
+                raise TypeError(f"{where}: expected a dict of keys, got {_show(e)}")
             own = _canonical(e, where)
             merged = dict(top)
             if "pattern" in own and "target_sparsity" not in own and _is_n_in_m(own["pattern"]):
@@ -296,21 +297,30 @@ class PruningConfig:
 
     @classmethod
     def from_yaml(cls, path: Union[str, "os.PathLike[str]"]) -> "PruningConfig":
-        """Read a YAML file (needs ``pyyaml``: ``pip install prunekit[yaml]``).
+        """Read a YAML file (needs ``pyyaml``: ``pip install prunekit[yaml]``), or strict JSON for ``.json``.
 
-        The file goes through prunekit's hostile reader (:func:`prunekit.io.read_yaml`):
-        a regular file of bounded size, or a ``ValueError`` naming the path.
+        The file goes through prunekit's hostile reader (:func:`prunekit.io.read_config`):
+        a regular file of at most 1 MiB, parsed safely with alias bombs, deep nesting
+        and duplicate keys refused, or a ``ValueError`` naming the path.
+
+        Example:
+            >>> import os, tempfile
+            >>> from prunekit.training import PruningConfig
+            >>> p = os.path.join(tempfile.mkdtemp(), "prune.yaml")
+            >>> _ = open(p, "w").write("prune_type: magnitude\\ntarget_sparsity: 0.8\\n")
+            >>> PruningConfig.from_yaml(p).pruners[0].target_sparsity
+            0.8
         """
-        from ..io import read_yaml
+        from ..io import read_config
 
-        return cls.from_dict(read_yaml(path, what="pruning config"))
+        return cls.from_dict(read_config(path, what="pruning config"))
 
     def to_dict(self) -> Dict[str, Any]:
         return {"pruners": [p.to_dict() for p in self.pruners]}
 
 
 def load_config(config: Any, model: Any = None) -> PruningConfig:
-    """A :class:`PruningConfig` from a config, a pruner config, a dict, a list of dicts or a YAML path.
+    """A :class:`PruningConfig` from a config, a pruner config, a dict, a list of dicts or a YAML (or JSON) path.
 
     Any other object with a ``to_pruning_config(model)`` method (such as
     :class:`prunekit.compat.neural_compressor.WeightPruningConfig`) is asked for
@@ -339,13 +349,24 @@ def load_config(config: Any, model: Any = None) -> PruningConfig:
     if isinstance(config, (Mapping, list, tuple)):
         return PruningConfig.from_dict(config)
     raise TypeError(
-        f"config={config!r} ({type(config).__name__}): pass a dict, a list of dicts, a YAML path, "
+        f"config={_show(config)} ({type(config).__name__}): pass a dict, a list of dicts, a YAML path, "
         "a PrunerConfig, a PruningConfig or a Neural Compressor WeightPruningConfig "
         "(prunekit.compat.neural_compressor)"
     )
 
 
 # ---------------------------------------------------------------------- helpers
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 120
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 8
+_SHORT.maxlevel = 3
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, cut short: an error message quotes a value from a config file, never all of it."""
+    return _SHORT.repr(value)
+
+
 _FIELDS = [f.name for f in dataclasses.fields(PrunerConfig) if f.name != "where"]
 
 
@@ -354,15 +375,15 @@ def _canonical(d: Mapping[str, Any], where: str) -> Dict[str, Any]:
     spelled: Dict[str, str] = {}
     for key, value in d.items():
         if not isinstance(key, str):
-            raise TypeError(f"{where}: key {key!r} is not a string")
+            raise TypeError(f"{where}: key {_show(key)} is not a string")
         canon = ALIASES.get(key, key)
         if canon not in _FIELDS:
             known = _FIELDS + list(ALIASES) + (["pruners"] if where == "pruning config" else [])
-            raise ValueError(f"{where}: unknown key {key!r}." + (did_you_mean(key, known) or
+            raise ValueError(f"{where}: unknown key {_show(key)}." + (did_you_mean(key, known) or
                              f" Known keys: {sorted(_FIELDS)}"))
         if canon in out:
             raise ValueError(
-                f"{where}: {spelled[canon]!r} and {key!r} are two spellings of the same key; keep one"
+                f"{where}: {_show(spelled[canon])} and {_show(key)} are two spellings of the same key; keep one"
             )
         out[canon] = value
         spelled[canon] = key
@@ -378,7 +399,7 @@ def _is_n_in_m(pattern: Any) -> bool:
 
 def _as_str(where: str, key: str, value: Any) -> str:
     if not isinstance(value, str):
-        raise TypeError(f"{where}: {key}={value!r} ({type(value).__name__}) must be a string")
+        raise TypeError(f"{where}: {key}={_show(value)} ({type(value).__name__}) must be a string")
     return value
 
 
@@ -387,7 +408,7 @@ def _as_int(where: str, key: str, value: Any, minimum: int) -> int:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
-            raise TypeError(f"{where}: {key}={value!r} ({type(value).__name__}) must be an integer >= {minimum}")
+            raise TypeError(f"{where}: {key}={_show(value)} ({type(value).__name__}) must be an integer >= {minimum}")
     if value < minimum:
         raise ValueError(f"{where}: {key}={value} must be an integer >= {minimum}")
     return int(value)
@@ -395,10 +416,10 @@ def _as_int(where: str, key: str, value: Any, minimum: int) -> int:
 
 def _as_ratio(where: str, key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{where}: {key}={value!r} ({type(value).__name__}) must be a number in [0, 1], e.g. 0.9")
+        raise TypeError(f"{where}: {key}={_show(value)} ({type(value).__name__}) must be a number in [0, 1], e.g. 0.9")
     v = float(value)
     if not 0.0 <= v <= 1.0:
-        raise ValueError(f"{where}: {key}={value!r} is out of range; use a number in [0, 1], e.g. 0.9")
+        raise ValueError(f"{where}: {key}={_show(value)} is out of range; use a number in [0, 1], e.g. 0.9")
     return v
 
 
@@ -406,7 +427,7 @@ def _as_str_list(where: str, key: str, value: Any) -> List[str]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise TypeError(f"{where}: {key}={value!r} must be a list of strings, e.g. ['fc1', 'conv.*']")
+        raise TypeError(f"{where}: {key}={_show(value)} must be a list of strings, e.g. ['fc1', 'conv.*']")
     return list(value)
 
 
@@ -416,7 +437,7 @@ def _as_regexes(where: str, key: str, value: Any) -> List[str]:
         try:
             re.compile(pattern)
         except re.error as e:
-            raise ValueError(f"{where}: {key} entry {pattern!r} is not a valid regular expression ({e})") from None
+            raise ValueError(f"{where}: {key} entry {_show(pattern)} is not a valid regular expression ({e})") from None
     return out
 
 

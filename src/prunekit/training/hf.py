@@ -108,9 +108,9 @@ class PruningTrainerCallback(TrainerCallback, ExportableState):
         for folder in folders:
             path = os.path.join(folder, SCORES_FILE)
             if os.path.isfile(path):
-                from safetensors.torch import load_file
+                from ..io.reader import read_safetensors
 
-                return load_file(path)
+                return read_safetensors(path)[0]  # through the hostile reader: header checked before reading
         return {}
 
     def _saved_state(self, state: Any) -> Optional[Dict[str, Any]]:
