@@ -853,16 +853,7 @@ def after_restore(module: nn.Module, state: ModuleState) -> None:
 
 class Snapshot(ModuleState):
     """Everything apply/remove may change on a module, to restore after a failure
-    (:class:`~prunekit.transaction.ModuleState` with :func:`after_restore`).
-
-    Examples:
-        >>> import torch
-        >>> m = torch.nn.Linear(2, 2)
-        >>> snap = Snapshot(m)
-        >>> m.bias = None
-        >>> snap.restore(); m.bias is not None
-        True
-    """
+    (:class:`~prunekit.transaction.ModuleState` with :func:`after_restore`)."""
 
     __slots__ = ()
 
