@@ -389,8 +389,18 @@ def remove(module: nn.Module, name: str) -> nn.Module:
     return reparam.remove(module, name)
 
 
-def _install_mask(module: nn.Module, name: str, mask: Tensor, *, mask_dtype: Optional[torch.dtype] = None) -> None:
+# ------------------------------------------------- registration with the reparam layer
+def install_mask(module: nn.Module, name: str, mask: Tensor, *, mask_dtype: Optional[torch.dtype] = None) -> None:
+    """How :func:`prunekit.reparam.apply_mask` installs a mask: :class:`CustomFromMask` (registered below).
+
+    Examples:
+        >>> import torch, prunekit
+        >>> m = torch.nn.Linear(2, 1)
+        >>> install_mask(m, "weight", torch.tensor([[0, 1]]))
+        >>> m.weight_mask.tolist(), prunekit.reparam.mask_installer() is install_mask
+        ([[0.0, 1.0]], True)
+    """
     CustomFromMask.apply(module, name, mask, mask_dtype=mask_dtype)
 
 
-reparam._register_installer(_install_mask)
+reparam.register_mask_installer(install_mask)

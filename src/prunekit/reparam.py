@@ -86,13 +86,14 @@ import functools
 import logging
 import sys
 import weakref
-from typing import Any, Callable, Dict, FrozenSet, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from . import _sharded
 from ._backend import TORCH, Backend, backend_of, backend_of_class, is_module, is_tensor
+from .transaction import ModuleState, Transaction
 
 __all__ = [
     "apply_mask",
@@ -465,18 +466,30 @@ def effective_for_reading(module: nn.Module, name: str) -> Tensor:
     return effective(module, name)
 
 
-_installer: Optional[Callable[..., Any]] = None
+_MASK_INSTALLERS: List[Callable[..., Any]] = []  # the hook registry behind apply_mask: at most one entry
 
 
-def _register_installer(fn: Callable[..., Any]) -> None:
-    """Called once by :mod:`prunekit.methods`: how :func:`apply_mask` installs a mask.
+def register_mask_installer(installer: Callable[..., Any]) -> None:
+    """Register how :func:`apply_mask` installs a mask: ``installer(module, name, mask, mask_dtype=...)``.
 
     Installing needs a pruning method as the forward pre-hook (``CustomFromMask``),
-    which lives in the methods layer above this module; the layers import only
-    downward, so the methods layer hands its installer down at import.
+    which lives in the methods layer above this module. The layers import only
+    downward, so :mod:`prunekit.methods` registers its installer here, once, in its
+    section "Registration with the reparam layer"; a later registration replaces it.
+
+    Examples:
+        >>> import prunekit
+        >>> mask_installer() is not None  # `import prunekit` registered the methods layer's
+        True
     """
-    global _installer
-    _installer = fn
+    if not callable(installer):
+        raise TypeError(f"register_mask_installer: the installer must be callable, got {installer!r}")
+    _MASK_INSTALLERS[:] = [installer]
+
+
+def mask_installer() -> Optional[Callable[..., Any]]:
+    """The installer :func:`apply_mask` uses (see :func:`register_mask_installer`), or ``None``."""
+    return _MASK_INSTALLERS[0] if _MASK_INSTALLERS else None
 
 
 def apply_mask(module: nn.Module, name: str, mask: Tensor, *, mask_dtype: Optional[Any] = None) -> None:
@@ -494,9 +507,10 @@ def apply_mask(module: nn.Module, name: str, mask: Tensor, *, mask_dtype: Option
         >>> get_mask(m, "weight").tolist()
         [[0.0, 0.0, 1.0]]
     """
-    if _installer is None:  # pragma: no cover - prunekit/__init__ imports the methods layer
+    installer = mask_installer()
+    if installer is None:  # pragma: no cover - prunekit/__init__ imports the methods layer
         raise RuntimeError("prunekit.methods is not imported; `import prunekit` first")
-    _installer(module, name, mask, mask_dtype=mask_dtype)
+    installer(module, name, mask, mask_dtype=mask_dtype)
 
 
 def unmask(module: nn.Module, name: str, *, bake: bool = True) -> Tensor:
@@ -826,45 +840,30 @@ def check_prunable(module: Any, name: Any) -> Tuple[Tensor, bool]:
 
 
 # ---------------------------------------------------------- commit / rollback
-class Snapshot:
-    """Everything apply/remove may change on a module, to restore after a failure."""
+def after_restore(module: nn.Module, state: ModuleState) -> None:
+    """What a rollback re-derives once ``module``'s structure is back: the cached masked products
+    are dropped, a sharded (FSDP2) module is re-pointed at its parameters, an RNN's flat weights
+    are refreshed. Passed to every :class:`~prunekit.transaction.ModuleState` that records a module."""
+    drop_cache(module)
+    sharded = _sharded.handler_for(*state.params.values())
+    if sharded is not None:
+        sharded.restored(module)
+    refresh_flat_weights(module)
+
+
+class Snapshot(ModuleState):
+    """Everything apply/remove may change on a module, to restore after a failure
+    (:class:`~prunekit.transaction.ModuleState` with :func:`after_restore`)."""
+
+    __slots__ = ()
 
     def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.cls = type(module)
-        self.attrs = dict(module.__dict__)  # plain attributes (torch.nn.utils.prune keeps `name` there)
-        self.params = dict(module._parameters)
-        self.buffers = dict(module._buffers)
-        self.non_persistent = set(module._non_persistent_buffers_set)
-        self.hooks = dict(module._forward_pre_hooks)
-        # containers grow in place: remember how many methods each held
-        self.container_sizes = {
-            k: len(h._pruning_methods) for k, h in self.hooks.items() if hasattr(h, "_pruning_methods")
-        }
-
-    def restore(self) -> None:
-        m = self.module
-        m.__class__ = self.cls
-        for key in [k for k in m.__dict__ if k not in self.attrs]:
-            del m.__dict__[key]
-        m.__dict__.update(self.attrs)
-        for target, saved in ((m._parameters, self.params), (m._buffers, self.buffers), (m._forward_pre_hooks, self.hooks)):
-            target.clear()
-            target.update(saved)
-        m._non_persistent_buffers_set.clear()
-        m._non_persistent_buffers_set.update(self.non_persistent)
-        for k, n in self.container_sizes.items():
-            self.hooks[k]._pruning_methods = self.hooks[k]._pruning_methods[:n]
-        drop_cache(m)
-        sharded = _sharded.handler_for(*self.params.values())
-        if sharded is not None:
-            sharded.restored(m)
-        refresh_flat_weights(m)
+        super().__init__(module, after_restore)
 
 
 def atomic(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate ``fn(module, ...)``: if it fails (``KeyboardInterrupt`` included), ``module``'s
-    structure (class, attributes, parameters, buffers, hooks) is restored as it was.
+    structure (class, attributes, parameters, buffers, submodules, hooks) is restored as it was.
 
     The wrapper's last step is the call itself, so no failure can land between a
     completed change and the return. For functions that change tensor values the
@@ -873,12 +872,13 @@ def atomic(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(module: Any, *args: Any, **kwargs: Any) -> Any:
-        snapshot = Snapshot(module) if is_module(module) else None
+        txn = Transaction(after_restore)
+        if is_module(module):
+            txn.module(module)
         try:
             return fn(module, *args, **kwargs)
         except BaseException:
-            if snapshot is not None:
-                snapshot.restore()
+            txn.rollback()
             raise
 
     return wrapper
@@ -939,26 +939,19 @@ def _transaction(module: nn.Module, name: str, bake: bool, drop: Any) -> Any:
     sync(module)
     orig, mask = module._parameters[name + "_orig"], module._buffers[name + "_mask"]
     b = backend_of(orig) or TORCH
-    snapshot = Snapshot(module)
-    changed = saved = None
+    txn = Transaction(after_restore)
+    txn.module(module)
     try:
         if bake:
             with b.no_grad():
                 if type(orig) in _sharded.PLAIN_TYPES and type(mask) in _sharded.PLAIN_TYPES:
-                    changed = (mask != 1) if mask.dtype != b.bool else ~mask
-                    saved = orig.detach()[changed]
+                    txn.entries(orig, (mask != 1) if mask.dtype != b.bool else ~mask)
                 else:  # a DTensor shard: no boolean indexing there, keep a copy of the shard
-                    saved = orig.detach().clone()
+                    txn.entries(orig)
             masked(orig, mask, inplace=True)
         return drop()
     except BaseException:
-        if saved is not None:
-            with b.no_grad():
-                if changed is None:
-                    orig.detach().copy_(saved)
-                else:
-                    orig.detach()[changed] = saved
-        snapshot.restore()
+        txn.rollback()
         raise
 
 

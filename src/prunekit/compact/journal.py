@@ -2,65 +2,29 @@
 
 :func:`prune_groups` and ``compact(inplace=True)`` change many modules one after the
 other. Before a module's first change its state is recorded (class, attribute dict,
-parameters, buffers, submodules, forward pre-hooks, the length of every pruning
+parameters, buffers, submodules, forward pre-hooks, the methods of every pruning
 container); before a tensor is changed in place its values are copied. On any
 exception -- ``KeyboardInterrupt`` included -- :meth:`Journal.rollback` puts every
-module back as it was, in reverse order, with ``SIGINT`` deferred until it is done.
+module back as it was, newest first, with ``SIGINT`` deferred until it is done.
+
+The mechanism is :mod:`prunekit.transaction`'s (one for all of prunekit): a
+:class:`Journal` is a :class:`~prunekit.transaction.Transaction` whose module
+records re-derive mask caches and RNN flat weights after a restore
+(:func:`prunekit.reparam.after_restore`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import signal
-import threading
-from typing import Any, Callable, Dict, Iterator, List, Tuple, TypeVar
+from typing import Iterator
 
-import torch
-from torch import Tensor, nn
+from .. import reparam
+from ..transaction import Transaction, finish, run_then_clean
 
 __all__ = ["Journal", "atomic", "finish", "run_then_clean"]
 
-_T = TypeVar("_T")
 
-
-class _ModuleState:
-    __slots__ = ("module", "cls", "attrs", "params", "buffers", "modules", "pre_hooks", "non_persistent", "containers")
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.cls = type(module)
-        self.attrs = dict(module.__dict__)
-        self.params = dict(module._parameters)
-        self.buffers = dict(module._buffers)
-        self.modules = dict(module._modules)
-        self.pre_hooks = dict(module._forward_pre_hooks)
-        self.non_persistent = set(module._non_persistent_buffers_set)
-        # pruning containers grow in place: remember how many methods each held
-        self.containers = [
-            (h, tuple(h._pruning_methods)) for h in self.pre_hooks.values() if hasattr(h, "_pruning_methods")
-        ]
-
-    def restore(self) -> None:
-        m = self.module
-        if type(m) is not self.cls:
-            m.__class__ = self.cls
-        m.__dict__.clear()
-        m.__dict__.update(self.attrs)
-        for target, saved in (
-            (m._parameters, self.params),
-            (m._buffers, self.buffers),
-            (m._modules, self.modules),
-            (m._forward_pre_hooks, self.pre_hooks),
-        ):
-            target.clear()
-            target.update(saved)
-        m._non_persistent_buffers_set.clear()
-        m._non_persistent_buffers_set.update(self.non_persistent)
-        for hook, methods in self.containers:
-            hook._pruning_methods = methods
-
-
-class Journal:
+class Journal(Transaction):
     """Records module states before they change; :meth:`rollback` restores them all.
 
     Examples:
@@ -78,46 +42,7 @@ class Journal:
     """
 
     def __init__(self) -> None:
-        self._modules: Dict[int, _ModuleState] = {}
-        self._order: List[_ModuleState] = []
-        self._tensors: List[Tuple[Tensor, Tensor, int]] = []
-        self._seen_tensors: Dict[int, Tensor] = {}
-
-    def module(self, module: nn.Module) -> None:
-        """Record ``module``'s state (only the first call per module counts)."""
-        if id(module) not in self._modules:
-            state = _ModuleState(module)
-            self._modules[id(module)] = state
-            self._order.append(state)
-
-    def modules(self, root: nn.Module) -> None:
-        """Record ``root`` and every submodule."""
-        for m in root.modules():
-            self.module(m)
-
-    def tensor(self, t: Tensor) -> None:
-        """Copy ``t``'s values before it is changed in place (first call per tensor counts)."""
-        if id(t) not in self._seen_tensors:
-            self._seen_tensors[id(t)] = t  # keeps ``t`` alive, so its id stays unique
-            with torch.no_grad():
-                self._tensors.append((t, t.detach().clone(), t._version))
-
-    def rollback(self) -> None:
-        """Restore every recorded module and tensor (``SIGINT`` deferred meanwhile)."""
-        with _deferred_interrupt():
-            with torch.no_grad():
-                for t, saved, version in reversed(self._tensors):
-                    if t._version != version:
-                        t.detach().copy_(saved)
-            for state in reversed(self._order):
-                state.restore()
-            self.clear()
-
-    def clear(self) -> None:
-        self._modules.clear()
-        self._order.clear()
-        self._tensors.clear()
-        self._seen_tensors.clear()
+        super().__init__(reparam.after_restore)
 
 
 @contextlib.contextmanager
@@ -145,63 +70,3 @@ def atomic() -> Iterator[Journal]:
         raise
     # committed: nothing more runs here (no step an interrupt could cut between the block and the caller);
     # the saved states are freed with the journal
-
-
-@contextlib.contextmanager
-def _deferred_interrupt() -> Iterator[None]:
-    """Hold ``SIGINT`` until the block is done (main thread only), then deliver it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: List[Any] = []
-    try:
-        old = signal.signal(signal.SIGINT, lambda *a: pending.append(a))
-    except (ValueError, TypeError):  # not allowed here (e.g. an embedded interpreter)
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
-        if pending:
-            if old is signal.SIG_DFL or old is None:
-                raise KeyboardInterrupt
-            if callable(old):
-                old(*pending[0])
-
-
-def finish(cleanup: Any) -> None:
-    """Run an idempotent ``cleanup`` (remove hooks, restore modes) to the end: if an exception --
-    ``KeyboardInterrupt`` included -- cuts it short, run it once more, then re-raise."""
-    try:
-        cleanup()
-    except BaseException:
-        cleanup()
-        raise
-
-
-def run_then_clean(body: Callable[[], _T], cleanup: Callable[[], None]) -> _T:
-    """``body()``, with an idempotent ``cleanup`` run to the end however the body ends.
-
-    Install what ``cleanup`` undoes (hooks, eval mode) inside ``body``. A single interrupt
-    anywhere is survived: inside the body or the cleanup (see :func:`finish`), and also on the
-    call into :func:`finish` -- the first line of the ``finally``, before the cleanup starts --
-    which the outer handler catches and cleans up after.
-
-    Examples:
-        >>> import torch
-        >>> lin, handles = torch.nn.Linear(2, 2), []
-        >>> def body():
-        ...     handles.append(lin.register_forward_pre_hook(lambda m, a: None))
-        ...     return len(lin._forward_pre_hooks)
-        >>> run_then_clean(body, lambda: [h.remove() for h in handles]), len(lin._forward_pre_hooks)
-        (1, 0)
-    """
-    try:
-        try:
-            return body()
-        finally:
-            finish(cleanup)
-    except BaseException:
-        cleanup()
-        raise

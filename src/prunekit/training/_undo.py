@@ -12,16 +12,17 @@ saves the non-zero values there, not the whole tensor.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List
+from typing import Any
 
 from .. import _sharded
 from .._backend import TORCH, backend_of
+from ..transaction import Transaction
 
 __all__ = ["UndoLog", "zero_where_"]
 
 
-class UndoLog:
-    """Restore steps, run newest first by :meth:`rollback`.
+class UndoLog(Transaction):
+    """Restore steps, run newest first by :meth:`rollback` (a :class:`~prunekit.transaction.Transaction`).
 
     Examples:
         >>> from prunekit.training._undo import UndoLog
@@ -31,23 +32,6 @@ class UndoLog:
         >>> log.rollback(); seen
         ['second', 'first']
     """
-
-    __slots__ = ("_steps",)
-
-    def __init__(self) -> None:
-        self._steps: List[Callable[[], None]] = []
-
-    def add(self, step: Callable[[], None]) -> None:
-        """Remember one restore step."""
-        self._steps.append(step)
-
-    def rollback(self) -> None:
-        """Run every restore step, newest first (each runs once)."""
-        while self._steps:
-            self._steps.pop()()
-
-    def __len__(self) -> int:
-        return len(self._steps)
 
 
 def zero_where_(t: Any, keep: Any, undo: "UndoLog | None") -> None:
@@ -72,12 +56,5 @@ def zero_where_(t: Any, keep: Any, undo: "UndoLog | None") -> None:
         undo = None  # DTensor shards are changed in step across ranks: not recorded (see Pruner.update_masks)
     with b.no_grad():
         if undo is not None:
-            changed = (k == 0) & (t != 0)
-            saved = t[changed]
-
-            def restore() -> None:
-                with b.no_grad():
-                    t[changed] = saved
-
-            undo.add(restore)
+            undo.entries(t, (k == 0) & (t != 0))
         b.mul_(t, k)
