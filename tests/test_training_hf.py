@@ -288,3 +288,27 @@ def test_a_failure_while_wiring_undoes_the_restored_state(tmp_path, checkpoint, 
     assert not cb.pruning.wired and cb.pruning.optimizer is None
     assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
     assert all(p.global_step == 0 and not p.optimizers for p in cb.pruning.pruners)
+
+
+def test_load_best_model_at_end_brings_back_the_best_checkpoints_masks(tmp_path):
+    model = _bert()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=4,
+                                          use_cpu=True, report_to=[], save_strategy="steps", save_steps=2,
+                                          eval_strategy="steps", eval_steps=2, logging_strategy="no",
+                                          disable_tqdm=True, load_best_model_at_end=True,
+                                          metric_for_best_model="loss", greater_is_better=False,
+                                          optim="adamw_torch", learning_rate=1e-2)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Data(), eval_dataset=_Data(8),
+                                   callbacks=[PruningTrainerCallback(_RESUME_CONFIG)])
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and not best.endswith("checkpoint-8")  # the end of the schedule is not the best
+    from prunekit.pretrained import read_masks
+
+    plain = transformers.BertForSequenceClassification.from_pretrained(best)
+    saved = {s.path: s.mask for s in read_masks(best, plain)}
+    assert saved
+    for path, mask in saved.items():
+        module = model.get_submodule(path.rsplit(".", 1)[0])
+        assert torch.equal(module.weight_mask, mask), path
+        assert torch.equal(module.weight.detach(), plain.get_parameter(path)), path

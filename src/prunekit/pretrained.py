@@ -313,16 +313,34 @@ def read_masks(folder: Any, model: nn.Module) -> List[SavedMask]:
 
 
 def check_weights(saved: List[SavedMask], source: str) -> None:
-    """``ValueError`` unless each model weight is zero wherever its saved mask is (the masks belong to it).
+    """``ValueError`` unless each weight as loaded is zero wherever its saved mask is (the masks belong to it).
 
-    Also compares the number of zeros with the one recorded at save time when the weight has the
-    saved dtype: masks of an earlier or later checkpoint are refused.
+    The weight as loaded is ``weight`` of a dense model, ``weight_orig`` of a masked one (where a dense
+    ``weight`` loads, see :func:`accept_dense_weights`). Also compares its number of zeros with the one
+    recorded at save time when it has the saved dtype: masks of an earlier or later checkpoint are refused.
+    ``source`` names the masks file in the message.
+
+    Example:
+        >>> import tempfile, torch, transformers, prunekit
+        >>> cfg = transformers.BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        ...                               intermediate_size=16, max_position_embeddings=8)
+        >>> model = transformers.BertModel(cfg)
+        >>> _ = prunekit.l1_unstructured(model.pooler.dense, "weight", 10)
+        >>> folder = tempfile.mkdtemp(); model.save_pretrained(folder)
+        >>> plain = transformers.BertModel.from_pretrained(folder)
+        >>> with torch.no_grad():
+        ...     _ = plain.pooler.dense.weight.add_(1)  # not the saved weights any more
+        >>> try:
+        ...     check_weights(read_masks(folder, plain), "masks")
+        ... except ValueError as e:
+        ...     print(str(e)[:72])
+        masks: pooler.dense.weight has 10 non-zero entries where the saved mask
     """
     with torch.no_grad():
         for s in saved:
             if s.orig is not None:
                 continue  # a scaling mask: its weight_orig is restored from the file
-            w = reparam.effective(s.module, s.name)
+            w = reparam.stored(s.module, s.name).detach()  # as loaded: a dense load lands in weight_orig
             keep = s.mask if s.mask.dtype == torch.bool else s.mask != 0
             stray = int(w.masked_select(~keep).count_nonzero())
             if stray:
@@ -369,7 +387,19 @@ def restore_masks(model: nn.Module, folder: Any) -> int:
 
 
 def apply_saved(saved: List[SavedMask]) -> None:
-    """Install checked masks (from :func:`read_masks`), all or nothing."""
+    """Install checked masks (from :func:`read_masks`), all or nothing: what :func:`restore_masks` does last.
+
+    Example:
+        >>> import tempfile, transformers, prunekit
+        >>> cfg = transformers.BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        ...                               intermediate_size=16, max_position_embeddings=8)
+        >>> model = transformers.BertModel(cfg)
+        >>> _ = prunekit.l1_unstructured(model.pooler.dense, "weight", 10)
+        >>> folder = tempfile.mkdtemp(); model.save_pretrained(folder)
+        >>> plain = transformers.BertModel.from_pretrained(folder)
+        >>> apply_saved(read_masks(folder, plain)); prunekit.is_pruned(plain)
+        True
+    """
     undo: List[Callable[[], None]] = []
     try:
         for s in saved:

@@ -17,7 +17,12 @@ effective weights, which plain ``from_pretrained`` loads pruned, and
 ``on_train_begin`` it wires itself to the trainer's optimizer step hooks, so
 every optimizer step (after gradient accumulation) is one pruning step; at
 ``on_train_end`` it unwires. ``callback.pruning`` is the
-:class:`~prunekit.training.PruningCallbacks` object (for reports).
+:class:`~prunekit.training.PruningCallbacks` object (for reports). The
+trainer's model loads such a checkpoint's weights into its masked tensors
+(``model.load_state_dict`` takes a dense ``weight`` into ``weight_orig``, as
+:func:`prunekit.load_state_dict` does; :func:`prunekit.pretrained.accept_dense_weights`),
+which is how the trainer resumes from it and loads the best model at the end
+(``load_best_model_at_end``: the masks of the best checkpoint come back too).
 
 Checkpoints and resuming: the callback is an ``ExportableState``. Each
 checkpoint's ``trainer_state.json`` records the pruners' step, schedule
@@ -388,5 +393,3 @@ class PruningTrainerCallback(TrainerCallback, ExportableState):
         if model is not None and getattr(args, "load_best_model_at_end", False) and best:
             # the trainer loaded the best checkpoint's weights; its masks are beside them
             pretrained.restore_masks(model, best)
-        if model is not None:
-            pretrained.stop_accepting_dense_weights(model)
