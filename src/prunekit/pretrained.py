@@ -140,7 +140,7 @@ def split_state_dict(state_dict: Mapping[str, Any]) -> Tuple["OrderedDict[str, A
                                  f"{tuple(orig.shape)}")
             binary = _is_binary(mask)
             keep = mask if mask.dtype == torch.bool else mask != 0
-            clean = binary and not bool(orig.masked_select(~keep).any()) if orig.numel() else binary
+            clean = binary and not bool((orig.ne(0) & ~keep).any())  # bool temporaries, no value copy
             dense[path] = orig if clean else reparam.masked(orig, mask)
         masks[path] = mask.detach()
         if not binary:
@@ -342,7 +342,7 @@ def check_weights(saved: List[SavedMask], source: str) -> None:
                 continue  # a scaling mask: its weight_orig is restored from the file
             w = reparam.stored(s.module, s.name).detach()  # as loaded: a dense load lands in weight_orig
             keep = s.mask if s.mask.dtype == torch.bool else s.mask != 0
-            stray = int(w.masked_select(~keep).count_nonzero())
+            stray = int((w.ne(0) & ~keep).sum())
             if stray:
                 raise ValueError(f"{source}: {s.path} has {stray} non-zero entries where the saved mask prunes it: "
                                  "the weights are not the ones the masks were saved with (the folder was saved "

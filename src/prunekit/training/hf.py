@@ -256,6 +256,8 @@ class PruningTrainerCallback(TrainerCallback, ExportableState):
                 self.pruning = None
             raise
         _PRUNING_OF[model] = self.pruning
+        pretrained.install_save_hooks()
+        pretrained.accept_dense_weights(model)  # also when the callback came after the trainer was built
         if full is not None and self.pruning.global_step != state.global_step:
             logger.warning("pruners resumed at step %d, the trainer at step %d (optimizer steps the pruners did "
                            "not see, e.g. skipped by a gradient scaler)", self.pruning.global_step,
