@@ -38,8 +38,10 @@ from .methods import (
     remove,
 )
 from .reparam import base_class, is_pruned, iter_pruned
+from .permanent import remove_all
 from .state_dict import StateDictMismatchError, dense_state_dict, load_state_dict
 from . import distributed  # noqa: F401 -- registers the DTensor handler (torch.distributed.tensor loads on first use)
+from .pretrained import load_pretrained, restore_masks, save_pretrained  # also: pruned HF models save plain weights
 
 # torch's private spellings, so code written against torch ports by changing one import
 _validate_pruning_amount_init = validate_pruning_amount_init
@@ -134,11 +136,15 @@ __all__ = [
     "iter_pruned",
     "l1_unstructured",
     "ln_structured",
+    "load_pretrained",
     "load_state_dict",
     "oneshot",
     "random_structured",
     "random_unstructured",
     "remove",
+    "remove_all",
+    "restore_masks",
+    "save_pretrained",
     "validate_pruning_amount",
     "validate_pruning_amount_init",
 ] + sorted(_LAZY)

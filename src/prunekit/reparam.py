@@ -108,6 +108,7 @@ __all__ = [
     "iter_masked",
     "iter_pruned",
     "masked",
+    "observe_pruned",
     "owner_of",
     "pruned_names",
     "remove",
@@ -260,8 +261,24 @@ def _prepare_scriptable(self: nn.Module) -> nn.Module:
     )
 
 
+_observers: List[Callable[[nn.Module], None]] = []
+
+
+def observe_pruned(fn: Callable[[nn.Module], None]) -> None:
+    """Call ``fn(module)`` whenever a module gains a pruned tensor or is rebuilt pruned (unpickled, copied).
+
+    For upper layers that must react to pruned modules existing (e.g. how a
+    Hugging Face model is saved). ``fn`` must be cheap and must not raise.
+    """
+    if fn not in _observers:
+        _observers.append(fn)
+
+
 def _set_names(module: nn.Module, names: FrozenSet[str]) -> None:
     module.__class__ = _class_for(base_class(module), names)
+    if names:
+        for fn in _observers:
+            fn(module)
 
 
 def _reduce_ex(self: nn.Module, protocol: int):
@@ -305,6 +322,8 @@ def refresh_flat_weights(module: nn.Module) -> None:
 def _rebuild(base: type, names: Tuple[str, ...]) -> nn.Module:
     obj = base.__new__(base)
     obj.__class__ = _class_for(base, frozenset(names))
+    for fn in _observers:
+        fn(obj)
     return obj
 
 
