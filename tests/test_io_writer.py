@@ -332,3 +332,38 @@ def test_an_unnamed_file_leaves_no_name_at_any_step(tmp_path, monkeypatch):
                 kept.pop().close()
 
         assert every_step(make, check) >= 1
+
+
+def test_the_trainer_callbacks_scores_file_leaves_no_temp_at_any_step(tmp_path):
+    from types import SimpleNamespace
+
+    from prunekit.training.hf import SCORES_FILE, PruningTrainerCallback
+
+    fake = SimpleNamespace(pruning=SimpleNamespace(pruners=[SimpleNamespace(scores={"w": torch.arange(6.0)})]))
+
+    def check(error, steps):
+        names = _listing(tmp_path)
+        assert names in ([], [SCORES_FILE]), (steps.names, names)
+        for n in names:
+            os.unlink(tmp_path / n)
+
+    every_step(lambda: PruningTrainerCallback._save_scores(fake, str(tmp_path)), check)
+
+
+def test_the_native_kernels_stamp_leaves_no_temp_at_any_step(tmp_path, monkeypatch):
+    from torch.utils import cpp_extension
+
+    from prunekit.sparse import native
+
+    monkeypatch.setattr(native, "build_directory", lambda: tmp_path)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: None)
+    monkeypatch.setattr(native, "available", lambda: True)
+    monkeypatch.setitem(native._state, "loaded", None)
+
+    def check(error, steps):
+        names = _listing(tmp_path)
+        assert names in ([], ["fingerprint.txt"]), (steps.names, names)
+        if error is None:
+            assert (tmp_path / "fingerprint.txt").read_text() == native._fingerprint()
+
+    every_step(native.build, check)

@@ -100,9 +100,10 @@ class PruningTrainerCallback(TrainerCallback, ExportableState):
             return
         from safetensors.torch import save_file
 
-        tmp = os.path.join(folder, SCORES_FILE + ".tmp")
-        save_file(tensors, tmp)
-        os.replace(tmp, os.path.join(folder, SCORES_FILE))
+        from ..io.writer import atomic_path
+
+        with atomic_path(os.path.join(folder, SCORES_FILE)) as tmp:  # no temporary left, whatever happens
+            save_file(tensors, tmp)
 
     def _load_scores(self, folders: List[str]) -> Dict[str, torch.Tensor]:
         for folder in folders:
