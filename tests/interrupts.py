@@ -72,14 +72,14 @@ class Steps:
 
 def every_step(call: Callable[[], Any], check: Callable[[Optional[BaseException], Steps], None], *,
                setup: Callable[[], None] = lambda: None, extra: Tuple[Tuple[Any, str], ...] = (),
-               limit: int = 2000) -> int:
-    """Run ``call`` with a ``KeyboardInterrupt`` after (and before) each of its steps in turn.
+               whens: Tuple[str, ...] = ("before", "after"), limit: int = 2000) -> int:
+    """Run ``call`` with a ``KeyboardInterrupt`` before (and after) each of its steps in turn.
 
     ``setup()`` runs before every attempt, ``check(error, steps)`` after it (``error`` is the
     ``KeyboardInterrupt`` that escaped, or None). Returns the number of interrupted runs.
     """
     runs = 0
-    for when in ("before", "after"):
+    for when in whens:
         for at in range(limit):
             setup()
             steps = Steps(at=at, when=when, extra=extra)

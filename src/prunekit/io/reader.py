@@ -18,11 +18,13 @@ outside :mod:`prunekit.io`.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
 import stat
-from typing import IO, Any, Dict, List, Tuple, Type
+from typing import IO, Any, Dict, List, Optional, Tuple, Type
 
 import torch
 
@@ -33,6 +35,7 @@ __all__ = [
     "file_kind",
     "loads_json_strict",
     "open_regular",
+    "open_in_folder",
     "read_json",
     "read_text",
     "read_yaml",
@@ -100,6 +103,62 @@ def open_regular(path: Any, *, error: Type[ValueError] = UnreadableFileError, wh
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
+        raise
+
+
+def open_in_folder(folder: Any, name: Any, *, dir_fd: Optional[int] = None,
+                   error: Type[ValueError] = UnreadableFileError, what: str = "file") -> IO[bytes]:
+    """Open the file ``name`` of ``folder`` like :func:`open_regular`, refusing every way out of the folder.
+
+    ``name`` usually comes from a hostile index (a ``weight_map``): it must be one
+    plain file name -- not absolute, no ``/`` or ``\\``, not ``.`` or ``..``, no
+    NUL -- and a symbolic link is refused, not followed (it could lead anywhere),
+    as is anything but a regular file (a FIFO is opened non-blocking, so it cannot
+    hang the caller). With ``dir_fd``, an open descriptor of ``folder``, the name is
+    looked up in that very folder even if ``folder`` has been replaced since.
+    Raises ``error`` naming the path and why, or ``FileNotFoundError``.
+
+    Example:
+        >>> import os, tempfile
+        >>> d = tempfile.mkdtemp(); _ = open(os.path.join(d, "config.json"), "w").write("{}")
+        >>> open_in_folder(d, "config.json").read()
+        b'{}'
+        >>> try:
+        ...     open_in_folder(d, "../secret.safetensors")
+        ... except UnreadableFileError as e:
+        ...     print(str(e)[len(d):])
+        : file name '../secret.safetensors' is not a plain file name inside the folder; refusing it
+    """
+    folder = os.fspath(folder)
+    seps = {"/", "\\", os.sep, os.altsep or "/"}
+    if (not isinstance(name, str) or name in ("", ".", "..") or "\0" in name or any(c in name for c in seps)
+            or len(name) > 255):
+        raise error(f"{folder}: {what} name {name!r} is not a plain file name inside the folder; refusing it")
+    where = os.path.join(folder, name)
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    flags = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+             | nofollow)
+    try:
+        if not nofollow and os.path.islink(where):  # pragma: no cover - systems without O_NOFOLLOW
+            raise OSError(errno.ELOOP, "is a symbolic link", where)
+        fd = os.open(name, flags, dir_fd=dir_fd) if dir_fd is not None else os.open(where, flags)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, f"{what} not found", where) from None
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW on a link (EMLINK on some BSDs)
+            raise error(f"{where}: a symbolic link; prunekit reads only the folder's own files, never what a "
+                        "link points at (copy the folder with `cp -rL` to read the targets)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{where}: not a regular file ({file_kind(st.st_mode)}); give a {what}")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
         raise
 
 
