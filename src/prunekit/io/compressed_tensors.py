@@ -315,9 +315,9 @@ def _snapshot(folder: str) -> Tuple[Dict[str, Any], "OrderedDict[str, torch.Tens
         else:
             raise UnreadableFileError(f"{folder}: no {_SINGLE} and no {_INDEX}; expected a Hugging Face model "
                                       "folder with safetensors weights")
+        handles = [take(name, "safetensors file") for name in files]  # every name checked before a byte is read
         plain: "OrderedDict[str, torch.Tensor]" = OrderedDict()
-        for name in files:
-            f = take(name, "safetensors file")
+        for name, f in zip(files, handles):
             p = os.path.join(folder, name)
             header = read_safetensors_header(f, p)
             for k in header.tensors:
@@ -459,8 +459,12 @@ def read_compressed_tensors(path: Any, **_options: Any) -> "OrderedDict[str, tor
     cfg_where = os.path.join(folder, "config.json")
     fmt = _sparse_format(cfg, cfg_where)
     if fmt is None:
+        packed = [k for k in plain if k.endswith(".bitmask") and k[:-len("bitmask")] + "compressed" in plain]
+        if packed:
+            raise UnreadableFileError(f"{cfg_where}: the folder holds compressed weights ({packed[0]!r}, ...) but "
+                                      "config.json declares no sparsity format (quantization_config.sparsity_config)")
         return plain
-    where = os.path.join(folder, _SINGLE) if len({k for k in plain}) else folder
+    where = folder
     parts_of = _PARTS[fmt]
     layers: Dict[str, Dict[str, torch.Tensor]] = {}
     for k in plain:
