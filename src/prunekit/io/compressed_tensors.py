@@ -409,7 +409,7 @@ def _sparse_format(cfg: Dict[str, Any], where: str) -> Optional[str]:
     if qc.get("quant_method", "compressed-tensors") != "compressed-tensors":
         raise UnreadableFileError(f"{where}: quant_method {qc.get('quant_method')!r}; prunekit reads compressed-tensors "
                                   "folders only")
-    if qc.get("config_groups") or qc.get("quantization_status") == "compressed" and qc.get("format"):
+    if qc.get("config_groups"):
         raise UnreadableFileError(f"{where}: the folder is quantized; prunekit reads compressed-tensors' sparse "
                                   "layouts only (load it with compressed-tensors or vLLM)")
     sc = qc.get("sparsity_config")
