@@ -34,7 +34,7 @@ $(KERNEL_STAMP): $(STAMP) $(KERNEL_SRC) src/prunekit/sparse/native.py
 kernels: $(KERNEL_STAMP)
 
 # Everything CI runs: lint, the docs site and its browser check, every test (markers: pyproject.toml)
-test: lint $(KERNEL_STAMP)
+test: lint docs-check $(KERNEL_STAMP)
 	$(PY) -m pytest tests
 
 # The quick selection while working: no slow or multi-process tests

@@ -64,3 +64,37 @@ def test_failure_writes_nothing_and_removes_the_spools(tmp_path):
     assert os.listdir(tmp_path) == []
     with pytest.raises(ValueError, match="is closed"):
         out.add("y", torch.ones(1))
+
+
+def test_a_ctrl_c_at_every_step_leaves_no_spool_and_no_half_file(tmp_path):
+    from interrupts import every_step
+
+    path = tmp_path / "m.safetensors"
+    sd = _state()
+
+    def setup():
+        if path.exists():
+            path.unlink()
+
+    def write():
+        with CompressedWriter(path) as out:
+            for k, v in sd.items():
+                out.add(k, v)
+
+    def check(error, steps):
+        names = sorted(os.listdir(tmp_path))
+        assert names in ([], ["m.safetensors"]), (steps.names, names)  # no spool, no temporary file
+        if error is None or names:
+            loaded = load_compressed(path)
+            assert list(loaded) == list(sd) and all(torch.equal(_bits(loaded[k]), _bits(v)) for k, v in sd.items())
+
+    assert every_step(write, check, setup=setup) > 10
+
+
+def test_spools_have_no_name_even_while_writing(tmp_path):
+    out = CompressedWriter(tmp_path / "m.safetensors")
+    out.add("w", torch.ones(100))
+    out.add("i", torch.arange(10))
+    assert os.listdir(tmp_path) == []  # a crash now (kill -9) would leave nothing either
+    out.close()
+    assert os.listdir(tmp_path) == ["m.safetensors"]

@@ -154,3 +154,118 @@ def test_a_hostile_folder_is_refused_by_name(tmp_path):
     (folder / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(UnreadableFileError, match="^" + str(folder)):
         read_checkpoint(str(folder))
+
+
+# ----------------------------------------------------------------------------- replacing an export
+from interrupts import Steps, every_step  # noqa: E402
+from prunekit.io import writer as writer_mod  # noqa: E402
+
+
+def _small(seed, pattern):
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=16)
+    model = transformers.BertModel(cfg).eval()
+    for m in model.encoder.modules():
+        if isinstance(m, torch.nn.Linear):
+            if pattern == "2:4":
+                w = m.weight.detach()
+                keep = w.abs().reshape(-1, 4).topk(2, dim=1).indices
+                prunekit.custom_from_mask(m, "weight", torch.zeros(w.numel() // 4, 4).scatter_(1, keep, 1.0)
+                                          .reshape(w.shape))
+            else:
+                prunekit.l1_unstructured(m, "weight", amount=0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def two_exports(tmp_path_factory):
+    """Two different exports (other weights, other format) of the same architecture: files and tensors."""
+    root = tmp_path_factory.mktemp("versions")
+    out = {}
+    for tag, seed, pattern in (("old", 0, "unstructured"), ("new", 1, "2:4")):
+        model = _small(seed, pattern)
+        folder = root / tag
+        prunekit.save_compressed(model, str(folder), format="compressed-tensors")
+        out[tag] = {"model": model, "files": {n: (folder / n).read_bytes() for n in sorted(os.listdir(folder))},
+                    "tensors": read_checkpoint(str(folder))[0]}
+    assert out["old"]["files"] != out["new"]["files"]
+    return out
+
+
+def _files(folder):
+    return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder))}
+
+
+def _put(folder, files):
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+    os.mkdir(folder)
+    for n, data in files.items():
+        with open(os.path.join(folder, n), "wb") as f:
+            f.write(data)
+
+
+def _same_tensors(a, b):
+    return list(a) == list(b) and all(a[k].dtype == b[k].dtype and torch.equal(_bits(a[k]), _bits(b[k])) for k in a)
+
+
+def _which(sd, two_exports):
+    return [tag for tag in ("old", "new") if _same_tensors(sd, two_exports[tag]["tensors"])]
+
+
+@pytest.mark.parametrize("swap", ["exchange", "two renames"])
+def test_a_ctrl_c_at_every_step_of_a_replace_keeps_the_old_export_or_the_new(tmp_path, monkeypatch, two_exports,
+                                                                            swap):
+    if swap == "two renames":
+        monkeypatch.setattr(writer_mod, "_exchange", lambda a, b: False, raising=False)
+    folder = str(tmp_path / "export")
+    old, new = two_exports["old"]["files"], two_exports["new"]["files"]
+
+    def check(error, steps):
+        names = sorted(os.listdir(tmp_path))
+        assert names == ["export"], (steps.names[-3:], names)  # never lost, nothing left beside it
+        assert _files(folder) == (new if error is None else _files(folder)), steps.names[-3:]
+        assert _files(folder) in (old, new), steps.names[-3:]
+
+    runs = every_step(lambda: prunekit.save_compressed(two_exports["new"]["model"], folder,
+                                                       format="compressed-tensors"),
+                      check, setup=lambda: _put(folder, old), whens=("after",))  # "before": test_io_writer
+    assert runs > 10
+
+
+def test_a_read_at_every_step_of_a_replace_sees_the_old_export_or_the_new_whole(tmp_path, two_exports):
+    folder = str(tmp_path / "export")
+    _put(folder, two_exports["old"]["files"])
+    seen = []
+
+    def read_now(n, name):
+        sd, _ = read_checkpoint(folder)  # never "missing", never a mix
+        seen.append(_which(sd, two_exports))
+        assert seen[-1], f"a read after step {n} ({name}) returned neither export"
+
+    with Steps(hook=read_now) as steps:
+        prunekit.save_compressed(two_exports["new"]["model"], folder, format="compressed-tensors")
+    assert steps.count >= len(seen) > 10  # (a step that raises, such as a failed lstat, has no hook)
+    assert seen[0] == ["old"] and seen[-1] == ["new"]
+    assert _files(folder) == two_exports["new"]["files"]
+
+
+def test_a_replace_at_every_step_of_a_read_never_mixes_the_two(tmp_path, two_exports):
+    folder = str(tmp_path / "export")
+    outcomes = []
+    for at in range(500):
+        _put(folder, two_exports["old"]["files"])
+
+        def replace(n, name):
+            if n == at:
+                prunekit.save_compressed(two_exports["new"]["model"], folder, format="compressed-tensors")
+
+        with Steps(hook=replace) as steps:
+            sd, _ = read_checkpoint(folder)
+        outcomes.append(_which(sd, two_exports))
+        assert outcomes[-1], f"a replace after step {at} ({steps.names[at]}) of the read gave a mix"
+        if steps.count <= at:
+            break
+    assert len(outcomes) > 5 and ["new"] in outcomes[:-1]

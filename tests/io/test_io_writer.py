@@ -203,3 +203,167 @@ def test_a_file_object_is_written_directly():
     write_with(buf, lambda f: torch.save({"w": torch.ones(2)}, f))
     buf.seek(0)
     assert torch.load(buf, weights_only=True)["w"].tolist() == [1.0, 1.0]
+
+
+# ----------------------------------------------------------------------------- Ctrl-C at every step
+from interrupts import every_step  # noqa: E402
+
+
+def _listing(folder):
+    return sorted(os.listdir(folder))
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_atomic_write_interrupted_at_every_step_leaves_the_old_file_or_the_new_and_no_temp(tmp_path, existing):
+    path = tmp_path / "m.bin"
+
+    def setup():
+        if existing:
+            path.write_bytes(b"old")
+        elif path.exists():
+            path.unlink()
+
+    def check(error, steps):
+        names = _listing(tmp_path)
+        if existing or error is None:
+            assert names == ["m.bin"], (steps.names, names)
+        else:
+            assert names in ([], ["m.bin"]), (steps.names, names)
+        if names:
+            assert path.read_bytes() in ((b"old", b"new") if existing else (b"new",)), steps.names
+        if error is None:
+            assert path.read_bytes() == b"new"
+
+    assert every_step(lambda: writer_mod.write_bytes(str(path), b"new"), check, setup=setup) > 5
+
+
+def _tree(folder):
+    return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder))}
+
+
+def _fill(folder, tag):
+    for name in ("config.json", "model.safetensors"):
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(f"{tag}:{name}".encode())
+
+
+OLD = {"config.json": b"old:config.json", "model.safetensors": b"old:model.safetensors"}
+NEW = {"config.json": b"new:config.json", "model.safetensors": b"new:model.safetensors"}
+
+
+def _reset(tmp_path, existing):
+    import shutil
+
+    for n in os.listdir(tmp_path):
+        shutil.rmtree(tmp_path / n)
+    if existing:
+        (tmp_path / "export").mkdir()
+        _fill(str(tmp_path / "export"), "old")
+
+
+def _write_folder(path):
+    with writer_mod.atomic_folder(path) as tmp:
+        _fill(tmp, "new")
+
+
+@pytest.mark.parametrize("swap", ["exchange", "two renames"])
+@pytest.mark.parametrize("existing", [True, False])
+def test_a_folder_replace_interrupted_at_every_step_keeps_the_old_folder_or_the_new(tmp_path, monkeypatch, swap,
+                                                                                     existing):
+    if swap == "two renames":  # a file system that cannot swap two names: the old is renamed aside first
+        monkeypatch.setattr(writer_mod, "_exchange", lambda a, b: False)
+    target = str(tmp_path / "export")
+
+    def check(error, steps):
+        names = _listing(tmp_path)
+        if error is None:
+            assert names == ["export"] and _tree(target) == NEW, steps.names
+        elif existing:  # never lost, never half: the old folder, or (once the swap is done) the new one
+            assert names == ["export"] and _tree(target) in (OLD, NEW), (steps.names, names)
+        else:
+            assert names in ([], ["export"]), (steps.names, names)
+            assert not names or _tree(target) == NEW
+
+    runs = every_step(lambda: _write_folder(target), check, setup=lambda: _reset(tmp_path, existing))
+    assert runs > 10
+
+
+def test_a_folder_replace_that_fails_puts_the_old_folder_back(tmp_path, monkeypatch):
+    _reset(tmp_path, True)
+    target = str(tmp_path / "export")
+    real = writer_mod._fsync_dir
+
+    def fail_after_the_swap(d):  # the parent's fsync comes after the swap
+        if d == str(tmp_path):
+            raise OSError(errno.EIO, "I/O error")
+        return real(d)
+
+    monkeypatch.setattr(writer_mod, "_fsync_dir", fail_after_the_swap)
+    with pytest.raises(OSError, match="I/O error"):
+        _write_folder(target)
+    assert _listing(tmp_path) == ["export"] and _tree(target) == OLD
+
+
+def test_atomic_folder_refuses_a_file_and_a_missing_parent(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(FileExistsError, match="is a file"):
+        _write_folder(str(tmp_path / "f"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        _write_folder(str(tmp_path / "nope" / "export"))
+    assert _listing(tmp_path) == ["f"]
+
+
+def test_an_unnamed_file_leaves_no_name_at_any_step(tmp_path, monkeypatch):
+    for variant in ("O_TMPFILE", "named, then unlinked"):
+        if variant != "O_TMPFILE":
+            monkeypatch.delattr(os, "O_TMPFILE", raising=False)
+        kept = []
+
+        def make():
+            f = writer_mod.unnamed_file(str(tmp_path))
+            kept.append(f)
+            f.write(b"spool")
+            f.seek(0)
+            assert f.read() == b"spool"
+
+        def check(error, steps):
+            assert _listing(tmp_path) == [], (variant, steps.names)
+            while kept:
+                kept.pop().close()
+
+        assert every_step(make, check) >= 1
+
+
+def test_the_trainer_callbacks_scores_file_leaves_no_temp_at_any_step(tmp_path):
+    from types import SimpleNamespace
+
+    from prunekit.training.hf import SCORES_FILE, PruningTrainerCallback
+
+    fake = SimpleNamespace(pruning=SimpleNamespace(pruners=[SimpleNamespace(scores={"w": torch.arange(6.0)})]))
+
+    def check(error, steps):
+        names = _listing(tmp_path)
+        assert names in ([], [SCORES_FILE]), (steps.names, names)
+        for n in names:
+            os.unlink(tmp_path / n)
+
+    every_step(lambda: PruningTrainerCallback._save_scores(fake, str(tmp_path)), check)
+
+
+def test_the_native_kernels_stamp_leaves_no_temp_at_any_step(tmp_path, monkeypatch):
+    from torch.utils import cpp_extension
+
+    from prunekit.sparse import native
+
+    monkeypatch.setattr(native, "build_directory", lambda: tmp_path)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: None)
+    monkeypatch.setattr(native, "available", lambda: True)
+    monkeypatch.setitem(native._state, "loaded", None)
+
+    def check(error, steps):
+        names = _listing(tmp_path)
+        assert names in ([], ["fingerprint.txt"]), (steps.names, names)
+        if error is None:
+            assert (tmp_path / "fingerprint.txt").read_text() == native._fingerprint()
+
+    every_step(native.build, check)

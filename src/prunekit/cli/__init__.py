@@ -43,7 +43,7 @@ exit codes: 0 ok, 1 failed while working, 2 bad arguments.
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``prunekit`` command (bad arguments raise a one-line ``CliError``).
 
-    Example:
+    Examples:
         >>> from prunekit.cli import build_parser
         >>> args = build_parser().parse_args(["inspect", "model.safetensors", "--json"])
         >>> args.command, args.checkpoint, args.json, args.debug
@@ -109,7 +109,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     Errors are one line on stderr and an exit code (2 bad arguments, 1 a
     failure while working); nothing is raised.
 
-    Example:
+    Examples:
         >>> from prunekit.cli import main
         >>> main(["inspect", "no-such-file.pt"])  # stderr: prunekit: error: checkpoint not found: no-such-file.pt
         2

@@ -89,7 +89,7 @@ def _target(r: Dict[str, Any]) -> str:
 def table_rows(result: Dict[str, Any]) -> List[List[str]]:
     """The demo table's cells (see ``COLUMNS``), dense first, from :func:`prunekit.demo.run_demo`'s result.
 
-    Example:
+    Examples:
         >>> from prunekit.cli._demo import table_rows
         >>> row = {"key": "dense", "method": "dense", "target": 0.0, "sparsity": 0.0, "accuracy": 0.99,
         ...        "params": 227018, "nonzero_params": 227018, "macs": 2511360, "size_bytes": 911704,
@@ -127,7 +127,7 @@ PRETRAINED_COLUMNS = ["method", "pattern", "sparsity", "layers", "mean cosine", 
 def pretrained_rows(pretrained: Dict[str, Any]) -> List[List[str]]:
     """The MiniLM-L6 table's cells (see ``PRETRAINED_COLUMNS``) from the result's ``pretrained`` entry.
 
-    Example:
+    Examples:
         >>> from prunekit.cli._demo import pretrained_rows
         >>> row = {"key": "minilm_magnitude_50", "method": "magnitude", "label": "magnitude", "pattern": "50%",
         ...        "target": 0.5, "sparsity": 0.5, "layers": 36, "cosine": 0.7268, "seconds": 0.18}

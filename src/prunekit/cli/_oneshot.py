@@ -68,7 +68,7 @@ def read_calibration(path: str) -> List[str]:
     ``/dev/zero`` exits 2 at once) of at most 64 MiB of UTF-8, strict JSON for
     ``.json``.
 
-    Example:
+    Examples:
         >>> import json, os, tempfile
         >>> from prunekit.cli._oneshot import read_calibration
         >>> with tempfile.TemporaryDirectory() as d:

@@ -101,7 +101,7 @@ def updated_config(model: nn.Module) -> Tuple[Optional[Any], str]:
 
     The returned config is a copy; nothing is changed here.
 
-    Example:
+    Examples:
         >>> import torch
         >>> updated_config(torch.nn.Linear(2, 2))
         (None, 'not a Hugging Face model (no config.model_type)')

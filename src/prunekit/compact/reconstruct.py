@@ -257,7 +257,7 @@ def prune_with_calibration(
 
     Failure-atomic: on any exception (``KeyboardInterrupt`` included) the model is left as it was.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from prunekit.compact import compact, prune_with_calibration

@@ -154,7 +154,7 @@ class NCConfig:
     defaults (Neural Compressor's ``pruners_info``); :meth:`to_pruning_config`
     translates them into a :class:`prunekit.training.PruningConfig`.
 
-    Example:
+    Examples:
         >>> from prunekit.compat.neural_compressor import NCConfig
         >>> cfg = NCConfig("1.x", {"target_sparsity": 0.8}, [{"prune_type": "magnitude", "names": ["fc"]}])
         >>> p = cfg.to_pruning_config().pruners[0]
@@ -203,7 +203,7 @@ class NCConfig:
         """Set keys for every entry (Neural Compressor's ``update_config`` /
         ``update_items_for_all_pruners``): each value replaces the entries' own.
 
-        Example:
+        Examples:
             >>> from prunekit.compat.neural_compressor import NCConfig
             >>> cfg = NCConfig("2.x", {}, [{"target_sparsity": 0.5}, {}])
             >>> cfg.update(end_step=10)
@@ -573,7 +573,7 @@ def load_config(config: Any, layout: Optional[str] = None) -> NCConfig:
     or just its approach block are accepted; ``layout`` (``"1.x"`` or
     ``"2.x"``) is found from the section name or the keys when not given.
 
-    Example:
+    Examples:
         >>> from prunekit.compat.neural_compressor import load_config
         >>> cfg = load_config({"pruning_type": "magnitude", "pruning_configs": [{"op_names": ["fc"]}]})
         >>> cfg.layout, cfg.to_pruning_config().pruners[0].names
@@ -601,7 +601,7 @@ class WeightPruningConfig:
     :func:`prunekit.training.prepare_pruning` (or this module's
     :func:`prepare_pruning`, :class:`Pruning`, :func:`prepare_compression`).
 
-    Example:
+    Examples:
         >>> from prunekit.compat.neural_compressor import WeightPruningConfig
         >>> cfg = WeightPruningConfig([{"op_names": ["layer2"], "pattern": "2:4", "target_sparsity": 0.5}],
         ...                           pruning_type="magnitude", target_sparsity=0.8)
@@ -673,7 +673,7 @@ class Pruning:
     zeroed again at every ``on_step_end`` (as Neural Compressor did): momentum
     cannot move them.
 
-    Example:
+    Examples:
         >>> import torch, torch.nn as nn
         >>> from prunekit.compat.neural_compressor import Pruning
         >>> _ = torch.manual_seed(0)
@@ -840,7 +840,7 @@ def prepare_compression(model: nn.Module, confs: Any) -> CompressionManager:
     Returns a :class:`CompressionManager`; call ``manager.callbacks.on_train_begin()``
     and the other callbacks in your loop. Only pruning configs are served.
 
-    Example:
+    Examples:
         >>> import torch.nn as nn
         >>> from prunekit.compat.neural_compressor import WeightPruningConfig, prepare_compression
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))

@@ -18,7 +18,7 @@ product per forward (the adapter is no longer applied as two thin matmuls).
 To merge densely on purpose (the base no longer pruned), call
 ``prunekit.remove(layer.base_layer, "weight")`` before merging.
 
-Example:
+Examples:
     >>> import torch, prunekit
     >>> from torch import nn
     >>> import peft

@@ -33,7 +33,7 @@ def _kind(error: BaseException) -> str:
 def world() -> Tuple[int, int]:
     """``(rank, world size)`` of the default process group; ``(0, 1)`` without one.
 
-    Example:
+    Examples:
         >>> world()
         (0, 1)
     """
@@ -50,7 +50,7 @@ def agree(error: Optional[BaseException], folder: str, payload: Any = None) -> L
     as it is; a failure to exchange (a rank gone, a timeout) is raised as a
     :class:`DistributedCheckpointError`.
 
-    Example:
+    Examples:
         >>> agree(None, "ckpt", payload=3)   # one process: nothing failed
         [3]
         >>> try:

@@ -15,7 +15,7 @@ __all__ = ["CorruptDistributedCheckpointError", "DistributedCheckpointError", "U
 class DistributedCheckpointError(UnreadableFileError):
     """A distributed checkpoint folder cannot be saved or loaded (its message names the folder and why).
 
-    Example:
+    Examples:
         >>> import tempfile, torch, prunekit
         >>> from prunekit.distributed import DistributedCheckpointError
         >>> try:

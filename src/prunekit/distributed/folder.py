@@ -40,7 +40,7 @@ def _is_checkpoint_file(name: str) -> bool:
 def check_replaceable(target: str) -> None:
     """Refuse ``target`` if it exists and is not a folder holding only a checkpoint's files (or nothing).
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> d = tempfile.mkdtemp(); _ = open(os.path.join(d, "notes.txt"), "w").write("mine")
         >>> try:

@@ -31,7 +31,7 @@ def is_dtensor_type(cls: type) -> bool:
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a ``DTensor``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> is_dtensor(torch.zeros(2))
         False

@@ -63,7 +63,7 @@ _CHUNK = 1 << 20
 def is_dcp_file(name: str) -> bool:
     """Whether ``name`` is a file name DCP's file system writer gives (``.metadata``, ``__<r>_<n>.distcp``).
 
-    Example:
+    Examples:
         >>> is_dcp_file(".metadata"), is_dcp_file("__1_0.distcp"), is_dcp_file("../x.distcp")
         (True, True, False)
     """
@@ -107,7 +107,7 @@ def _digest(f: IO[bytes]) -> Tuple[int, str]:
 def hash_file(path: str) -> Entry:
     """The :class:`Entry` of a regular file (a link or anything else is refused).
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> p = os.path.join(tempfile.mkdtemp(), "a.bin"); _ = open(p, "wb").write(b"abc")
         >>> hash_file(p).size, hash_file(p).sha256[:8]
@@ -121,7 +121,7 @@ def hash_file(path: str) -> Entry:
 def write_manifest(folder: str, files: Mapping[str, Entry]) -> None:
     """Write the manifest of ``folder`` (atomically: it appears whole or not at all).
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> d = tempfile.mkdtemp(); p = os.path.join(d, ".metadata"); _ = open(p, "wb").write(b"abc")
         >>> write_manifest(d, {".metadata": hash_file(p)})

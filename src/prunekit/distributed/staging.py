@@ -56,7 +56,7 @@ def flat_leaves(obj: Any, path: Path = (), parent: Any = None, key: Any = None
                 ) -> Iterator[Tuple[str, Any, Any, Any]]:
     """``(flat name, container, key in it, value)`` for every leaf of ``obj`` as DCP flattens it.
 
-    Example:
+    Examples:
         >>> import torch
         >>> [(n, k, v) for n, _, k, v in flat_leaves({"a": {"b": 1, "c": [torch.zeros(1)]}, "d": [1, 2]})]
         [('a.b', 'b', 1), ('a.c.0', 0, tensor([0.])), ('d', 'd', [1, 2])]

@@ -52,7 +52,7 @@ def _unsigned(path: str, kind: str) -> CheckpointSignatureError:
 def unwrap_state_dict(obj: Any, path: str) -> "OrderedDict[str, torch.Tensor]":
     """A state dict out of what ``torch.load`` returned (a dict, a ``{'state_dict': ...}``, a module).
 
-    Example:
+    Examples:
         >>> import torch
         >>> list(unwrap_state_dict({"state_dict": {"w": torch.ones(1)}, "epoch": 3}, "ckpt.pt"))
         ['w']
@@ -80,7 +80,7 @@ def read_torch(path: PathLike, *, trust_pickle: bool = False, key: Any = None) -
     A torch file carries no signature: with a ``key`` it is refused before a
     byte is read (so nothing is unpickled, ``trust_pickle`` or not).
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> p = os.path.join(tempfile.mkdtemp(), "m.pt"); torch.save(torch.nn.Linear(2, 2).state_dict(), p)
         >>> list(read_torch(p))
@@ -115,7 +115,7 @@ def read_plain_safetensors(path: PathLike, *, trust_pickle: bool = False,
                            key: Any = None) -> "OrderedDict[str, torch.Tensor]":
     """Read a plain safetensors file through the hostile reader (header validated first).
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> from safetensors.torch import save_file
         >>> p = os.path.join(tempfile.mkdtemp(), "a.safetensors"); save_file({"w": torch.ones(3)}, p)
@@ -140,7 +140,7 @@ def read_plain_safetensors(path: PathLike, *, trust_pickle: bool = False,
 def read_prunekit(path: PathLike, *, trust_pickle: bool = False, key: Any = None) -> "OrderedDict[str, torch.Tensor]":
     """Read a prunekit compressed checkpoint (the table's reader for it).
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> from prunekit.io import save_compressed
         >>> p = os.path.join(tempfile.mkdtemp(), "m.safetensors"); save_compressed({"w": torch.zeros(9)}, p)
@@ -170,7 +170,7 @@ def read_checkpoint(path: PathLike, *, trust_pickle: bool = False,
     alone, and anything but a prunekit checkpoint is refused before it is
     read -- a torch file is never unpickled, even with ``trust_pickle=True``.
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> from prunekit.io import read_checkpoint
         >>> path = os.path.join(tempfile.mkdtemp(), "m.pt")
@@ -195,7 +195,7 @@ def read_checkpoint(path: PathLike, *, trust_pickle: bool = False,
 def write_torch(obj: Any, path: PathLike) -> None:
     """``torch.save`` of a state dict (or a module's), atomically: the table's writer for ``"torch"``.
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> p = os.path.join(tempfile.mkdtemp(), "m.pt"); write_torch(torch.nn.Linear(2, 2), p)
         >>> list(read_torch(p))

@@ -54,7 +54,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Dict, IO, List, Mapping, Optional, Tuple, Union
@@ -72,7 +71,7 @@ from .reader import (
     read_safetensors_header,
     read_safetensors_tensor,
 )
-from .writer import PathLike, atomic_path, atomic_write
+from .writer import PathLike, atomic_path, atomic_write, unnamed_file
 
 __all__ = [
     "CompressedWriter",
@@ -348,7 +347,7 @@ def drop_masked(sd: Mapping[str, torch.Tensor],
     ``apply(key, value, mask)`` applies one mask (default :func:`prunekit.reparam.masked` with the mask's
     zeros only, so kept values stay exact); :mod:`prunekit.distributed` passes its shard-local form.
 
-    Example:
+    Examples:
         >>> import torch
         >>> sd = {"w_orig": torch.tensor([1.0, -2.0]), "w_mask": torch.tensor([0.0, 1.0])}
         >>> drop_masked(sd)["w_orig"].tolist()
@@ -422,7 +421,7 @@ def write_compressed(
             index is stored, and :func:`load_compressed` with the same key
             refuses a file that anyone without the key has altered.
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> from prunekit.io.compressed import write_compressed, load_compressed
         >>> w = torch.randn(256, 256)
@@ -480,7 +479,8 @@ class CompressedWriter:
     :meth:`add` encodes a tensor exactly as :func:`write_compressed` does and
     appends the stored bytes to a spool file beside ``path`` (one per element
     size, so every stored tensor ends up aligned, as safetensors lays them
-    out); :meth:`close` writes the safetensors container -- header, then the
+    out; a spool has no name in the folder, so even a killed process leaves
+    none behind); :meth:`close` writes the safetensors container -- header, then the
     spooled bytes, streamed -- through the atomic writer. The file holds what
     :func:`write_compressed` writes for the same tensors (the stored tensors
     may come in another order) and :func:`load_compressed` reads it the same
@@ -489,7 +489,7 @@ class CompressedWriter:
     by one, such as ``prunekit.distributed.save_compressed`` gathering a
     sharded model.
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> path = os.path.join(tempfile.mkdtemp(), "pruned.safetensors")
         >>> w = torch.randn(64, 64)
@@ -509,7 +509,7 @@ class CompressedWriter:
         _safetensors_torch()  # the optional dependency, checked before any work
         self._native = _safetensors_dtypes()
         self._directory = os.path.dirname(os.path.abspath(self.path))
-        self._spools: Dict[int, Any] = {}  # element size -> (file, path, bytes written)
+        self._spools: Dict[int, Any] = {}  # element size -> [unnamed file, bytes written]
         self._layout: Dict[str, Tuple[int, str, List[int], int, int]] = {}
         self._index: List[Dict[str, Any]] = []
         self._closed = False
@@ -517,8 +517,8 @@ class CompressedWriter:
     def _spool(self, size: int) -> List[Any]:
         spool = self._spools.get(size)
         if spool is None:
-            fd, spool_path = tempfile.mkstemp(prefix=".prunekit-spool-", dir=self._directory)
-            spool = self._spools[size] = [os.fdopen(fd, "w+b"), spool_path, 0]
+            # a file without a name (prunekit.io.writer.unnamed_file): nothing to leave behind, ever
+            spool = self._spools[size] = [unnamed_file(self._directory), 0]
         return spool
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -545,8 +545,8 @@ class CompressedWriter:
             n = t.numel() * t.element_size()
             if n:
                 spool[0].write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # the bytes, not a copy
-            self._layout[key] = (t.element_size(), _TAG_OF[t.dtype], list(t.shape), spool[2], spool[2] + n)
-            spool[2] += n
+            self._layout[key] = (t.element_size(), _TAG_OF[t.dtype], list(t.shape), spool[1], spool[1] + n)
+            spool[1] += n
         self._index.append(entry)
 
     def close(self) -> None:
@@ -565,7 +565,7 @@ class CompressedWriter:
         base, start = {}, 0
         for size in sizes:
             base[size] = start
-            start += self._spools[size][2]
+            start += self._spools[size][1]
         header: Dict[str, Any] = {"__metadata__": metadata}
         for key, (size, tag, shape, begin, end) in self._layout.items():
             header[key] = {"dtype": tag, "shape": shape, "data_offsets": [base[size] + begin, base[size] + end]}
@@ -588,13 +588,10 @@ class CompressedWriter:
     def abort(self) -> None:
         """Give up: remove the spools; nothing is written at ``path``."""
         self._closed = True
-        for spool in self._spools.values():
-            try:
-                spool[0].close()
-            finally:
-                with contextlib.suppress(OSError):
-                    os.remove(spool[1])
-        self._spools.clear()
+        while self._spools:
+            _, spool = self._spools.popitem()
+            with contextlib.suppress(OSError):
+                spool[0].close()  # an unnamed file: closing it frees its space
 
     def __enter__(self) -> "CompressedWriter":
         return self
@@ -785,7 +782,7 @@ def is_compressed_header(header: SafetensorsHeader) -> bool:
     rule, so one damaged key (a flipped bit) cannot make it pass as a plain
     safetensors file.
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> from prunekit.io.reader import open_regular, read_safetensors_header
         >>> p = os.path.join(tempfile.mkdtemp(), "m.safetensors")
@@ -829,7 +826,7 @@ def load_compressed(
             damaged, not a regular file, or not a prunekit compressed checkpoint.
         FileNotFoundError: no file at ``path``.
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> from prunekit.io import save_compressed, load_compressed
         >>> model = torch.nn.Linear(8, 4)

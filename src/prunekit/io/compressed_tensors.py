@@ -15,8 +15,25 @@ The weights exported are the model's effective weights
 (the bitmask layout keeps no sign for zeros). :func:`read_compressed_tensors`
 loads the folder back through compressed-tensors' own decompressor, bit-exact.
 
-The folder is written beside its final place and moved there when complete,
-each file fsynced, so a failed export never leaves a half-written model.
+The folder is written beside its final place and swapped in when complete
+(:func:`prunekit.io.writer.atomic_folder`): a failed or interrupted export
+never leaves a half-written model and never loses the export it replaces,
+and a reader finds the old export or the new one, never a missing folder.
+The folder stays the plain layout ``transformers``' ``from_pretrained`` and
+compressed-tensors load (``config.json`` plus ``model.safetensors``).
+
+:func:`read_compressed_tensors` treats the folder as hostile: it reads only
+the folder's own regular files (``config.json``, ``model.safetensors`` or the
+shards a ``model.safetensors.index.json`` names -- plain names, no links, no
+``../``), each once, through prunekit's reader, from one open handle of the
+folder, and checks that none changed while it read (else it reads again), so
+a re-export at the same time gives the old tensors or the new ones, never a
+mix. Every compressed weight's parts are checked against each other -- the
+``shape`` against the bitmask's size, the number of stored values against
+the bitmask's population, ``row_offsets`` against both, the 2:4 pattern --
+before compressed-tensors' own decompressor allocates anything, so a dense
+weight never takes more than ``8 x`` element size bytes per stored bitmask
+byte. See ``docs/trust-compressed.md``.
 
 Needs ``pip install prunekit[compressed-tensors]``: ``compressed-tensors``
 0.12-0.13 (later releases dropped the sparse compressors; 0.14 needs
@@ -25,24 +42,37 @@ Needs ``pip install prunekit[compressed-tensors]``: ``compressed-tensors``
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import logging
+import math
 import os
-import secrets
-import shutil
+import stat
+import time
 from collections import OrderedDict
-from typing import Any, Dict, Optional, Sequence
+from typing import IO, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .errors import UnreadableFileError
-from .reader import open_regular, read_json, read_safetensors_header
-from .writer import _fsync_dir, resolve_target, write_json
+from .reader import (
+    TEXT_LIMIT,
+    loads_json_strict,
+    open_in_folder,
+    read_safetensors_header,
+    read_safetensors_tensor,
+)
+from .writer import _TMP_MARK, atomic_folder, resolve_target, write_json
 
 __all__ = ["write_compressed_tensors", "read_compressed_tensors", "sparsity_structure_of"]
 
 logger = logging.getLogger(__name__)
 _COMPRESSED_PARTS = ("shape", "compressed", "bitmask", "row_offsets")
+_PARTS = {"sparse-bitmask": ("shape", "compressed", "bitmask", "row_offsets"),
+          "sparse-24-bitmask": ("shape", "compressed", "bitmask")}
+_SINGLE = "model.safetensors"
+_INDEX = "model.safetensors.index.json"
+_READ_ATTEMPTS = 8
+_MAX_DIM = 2 ** 31
 
 
 def _ct() -> Any:
@@ -65,7 +95,7 @@ def _is_2_4(w: torch.Tensor) -> bool:
 def sparsity_structure_of(weights: Dict[str, torch.Tensor]) -> str:
     """``"2:4"`` when every weight has the 2:4 pattern along its inputs, else ``"unstructured"``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> sparsity_structure_of({"a": torch.tensor([[1.0, 0.0, 2.0, 0.0]])})
         '2:4'
@@ -87,48 +117,6 @@ def _effective_state_dict(model: Any) -> "OrderedDict[str, torch.Tensor]":
     return out
 
 
-@contextlib.contextmanager
-def _atomic_folder(path: Any) -> Any:
-    """A temporary folder beside ``path`` that replaces it, complete, when the block succeeds."""
-    user = os.fspath(path)
-    target = resolve_target(user)
-    if os.path.exists(target) and not os.path.isdir(target):
-        raise FileExistsError(f"{user} is a file; format='compressed-tensors' writes a model folder: give a "
-                              "folder name")
-    parent, base = os.path.split(target)
-    if not os.path.isdir(parent):
-        raise FileNotFoundError(f"the folder {parent} does not exist (for {user})")
-    tmp = os.path.join(parent, f".{base}.{secrets.token_hex(4)}.prunekit-tmp")
-    os.mkdir(tmp, 0o777)
-    old = None
-    try:
-        yield tmp
-        for name in os.listdir(tmp):
-            fd = os.open(os.path.join(tmp, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(tmp)
-        if os.path.isdir(target):
-            old = os.path.join(parent, f".{base}.{secrets.token_hex(4)}.prunekit-old")
-            os.rename(target, old)
-        try:
-            os.rename(tmp, target)
-        except BaseException:
-            if old is not None:
-                os.rename(old, target)
-                old = None
-            raise
-        _fsync_dir(parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-
-
 def write_compressed_tensors(model: Any, path: Any, *, sparsity_structure: Optional[str] = None,
                              ignore: Sequence[str] = (), config: Any = None) -> Dict[str, Any]:
     """Write ``model`` as a Hugging Face folder in the compressed-tensors sparse layout; returns the sparsity config.
@@ -144,7 +132,7 @@ def write_compressed_tensors(model: Any, path: Any, *, sparsity_structure: Optio
         ignore: names of Linear modules to leave dense, besides those without zeros.
         config: a ``transformers`` config or a dict, when ``model`` has no ``config``.
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch, prunekit
         >>> from transformers import BertConfig, BertModel
         >>> model = BertModel(BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
@@ -161,6 +149,10 @@ def write_compressed_tensors(model: Any, path: Any, *, sparsity_structure: Optio
         True
     """
     ModelCompressor, BitmaskConfig, Sparse24BitMaskConfig = _ct()
+    target = resolve_target(os.fspath(path))
+    if os.path.lexists(target) and not os.path.isdir(target):
+        raise FileExistsError(errno.EEXIST, "is a file; format='compressed-tensors' writes a model folder: give a "
+                              "folder name", os.fspath(path))
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"format='compressed-tensors' needs the model itself (its Linear layers and config), "
                         f"got a {type(model).__name__}; pass the nn.Module, not its state dict")
@@ -203,7 +195,7 @@ def write_compressed_tensors(model: Any, path: Any, *, sparsity_structure: Optio
     compressed = compressor.compress(model, state_dict=sd)
     from safetensors.torch import save_file
 
-    with _atomic_folder(path) as tmp:
+    with atomic_folder(path) as tmp:
         write_json(os.path.join(tmp, "config.json"), cfg_dict)
         compressor.update_config(tmp)  # compressed-tensors adds its quantization_config / sparsity_config
         save_file({k: v.contiguous() for k, v in compressed.items()}, os.path.join(tmp, "model.safetensors"),
@@ -214,13 +206,236 @@ def write_compressed_tensors(model: Any, path: Any, *, sparsity_structure: Optio
     return out
 
 
+# ----------------------------------------------------------------------------- reading (hostile input)
+class _Changed(Exception):
+    """The folder changed (was replaced or rewritten) while it was being read."""
+
+
+def _file_id(st: os.stat_result) -> Tuple[int, ...]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _dir_id(st: os.stat_result) -> Tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _replace_in_progress(folder: str) -> bool:
+    """Whether a prunekit writer's temporary folder sits beside ``folder`` (a replace by two renames)."""
+    parent, base = os.path.split(os.path.abspath(folder))
+    try:
+        names = os.listdir(parent or ".")
+    except OSError:
+        return False
+    return any(n.startswith(f".{base}.") and n.endswith(_TMP_MARK) for n in names)
+
+
+def _moved(folder: str, dir_fd: Optional[int], opened_id: Optional[Tuple[int, int]]) -> bool:
+    """Whether ``folder`` now names another folder than the one being read (or nothing)."""
+    try:
+        now = _dir_id(os.stat(folder))
+    except OSError:
+        return True
+    if dir_fd is not None:
+        return now != _dir_id(os.fstat(dir_fd))
+    return opened_id is not None and now != opened_id
+
+
+def _open_folder(folder: str) -> Tuple[Optional[int], Tuple[int, int]]:
+    try:
+        st = os.stat(folder)
+    except FileNotFoundError:
+        if _replace_in_progress(folder):
+            raise _Changed() from None
+        raise FileNotFoundError(errno.ENOENT, "no compressed-tensors model folder", folder) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnreadableFileError(f"{folder}: not a folder; give a Hugging Face model folder")
+    if os.open not in os.supports_dir_fd or not hasattr(os, "O_DIRECTORY"):  # pragma: no cover - Windows
+        return None, _dir_id(st)
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise _Changed() from None
+    return fd, _dir_id(os.fstat(fd))
+
+
+def _read_json(f: IO[bytes], where: str) -> Any:
+    data = f.read(TEXT_LIMIT + 1)
+    if len(data) > TEXT_LIMIT:
+        raise UnreadableFileError(f"{where}: larger than {TEXT_LIMIT} bytes; a JSON file is never that large")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UnreadableFileError(f"{where}: not UTF-8 text (byte {e.start})") from None
+    return loads_json_strict(text, where)
+
+
+def _weight_map(index: Any, where: str) -> Dict[str, str]:
+    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict) or not index["weight_map"]:
+        raise UnreadableFileError(f"{where}: must be an object with a non-empty 'weight_map' (tensor name -> file)")
+    weight_map = index["weight_map"]
+    bad = [(k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v.endswith(".safetensors")]
+    if bad:
+        raise UnreadableFileError(f"{where}: weight_map puts {bad[0][0]!r} in {bad[0][1]!r}, which is not a "
+                                  ".safetensors file name")
+    return weight_map
+
+
+def _snapshot(folder: str) -> Tuple[Dict[str, Any], "OrderedDict[str, torch.Tensor]"]:
+    """config.json and every stored tensor, all from one folder, none changed while read (else ``_Changed``)."""
+    dir_fd, folder_id = _open_folder(folder)
+    opened: List[Tuple[str, IO[bytes], Tuple[int, ...]]] = []
+
+    def take(name: Any, what: str) -> IO[bytes]:
+        try:
+            f = open_in_folder(folder, name, dir_fd=dir_fd, what=what)
+        except FileNotFoundError:
+            if _moved(folder, dir_fd, folder_id):  # replaced (and the old one removed) while being read
+                raise _Changed() from None
+            raise
+        opened.append((name, f, _file_id(os.fstat(f.fileno()))))
+        return f
+
+    try:
+        names = set(os.listdir(dir_fd if dir_fd is not None else folder))
+        if "config.json" not in names:
+            if _moved(folder, dir_fd, folder_id):
+                raise _Changed()
+            raise UnreadableFileError(f"{folder}: no config.json; not a Hugging Face model folder")
+        cfg = _read_json(take("config.json", "config.json"), os.path.join(folder, "config.json"))
+        if not isinstance(cfg, dict):
+            raise UnreadableFileError(f"{os.path.join(folder, 'config.json')}: a JSON {type(cfg).__name__}, "
+                                      "not an object")
+        weight_map: Optional[Dict[str, str]] = None
+        if _SINGLE in names:  # what transformers and compressed-tensors load first
+            files = [_SINGLE]
+        elif _INDEX in names:
+            where = os.path.join(folder, _INDEX)
+            weight_map = _weight_map(_read_json(take(_INDEX, "index file"), where), where)
+            files = sorted(set(weight_map.values()))
+        else:
+            raise UnreadableFileError(f"{folder}: no {_SINGLE} and no {_INDEX}; expected a Hugging Face model "
+                                      "folder with safetensors weights")
+        handles = [take(name, "safetensors file") for name in files]  # every name checked before a byte is read
+        plain: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+        for name, f in zip(files, handles):
+            p = os.path.join(folder, name)
+            header = read_safetensors_header(f, p)
+            for k in header.tensors:
+                if weight_map is not None and weight_map.get(k) != name:
+                    raise UnreadableFileError(f"{p}: holds tensor {k!r}, which {_INDEX} "
+                                              + (f"puts in {weight_map[k]!r}" if k in weight_map else "does not list"))
+                plain[k] = read_safetensors_tensor(f, header, k)
+        if weight_map is not None:
+            missing = [k for k in weight_map if k not in plain]
+            if missing:
+                raise UnreadableFileError(f"{os.path.join(folder, weight_map[missing[0]])}: has no tensor "
+                                          f"{missing[0]!r}, which {_INDEX} puts there")
+        for name, f, seen in opened:  # nothing was rewritten, renamed or replaced while it was read
+            now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False) if dir_fd is not None else \
+                os.stat(os.path.join(folder, name), follow_symlinks=False)
+            if _file_id(os.fstat(f.fileno())) != seen or _file_id(now) != seen:
+                raise _Changed()
+        return cfg, plain
+    except FileNotFoundError:
+        if _moved(folder, dir_fd, folder_id):
+            raise _Changed() from None
+        raise
+    finally:
+        for _, f, _ in opened:
+            f.close()
+        if dir_fd is not None:
+            os.close(dir_fd)
+
+
+def _int_list(t: torch.Tensor, where: str, what: str) -> List[int]:
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise UnreadableFileError(f"{where}: {what} is {t.dtype}; it must hold integers")
+    return [int(v) for v in t.reshape(-1).tolist()]
+
+
+def _check_layer(fmt: str, prefix: str, parts: Dict[str, torch.Tensor], plain: Dict[str, torch.Tensor],
+                 where: str) -> List[int]:
+    """Check one compressed weight's parts against each other, before anything is allocated; its dense shape."""
+    at = f"{where}: compressed weight {prefix + '.weight'!r}"
+    expected = _PARTS[fmt]
+    if set(parts) != set(expected):
+        raise UnreadableFileError(f"{at} has the parts {sorted(parts)}; {fmt} stores exactly {sorted(expected)}")
+    shape_t, bitmask, values = parts["shape"], parts["bitmask"], parts["compressed"]
+    if shape_t.numel() != 2 or shape_t.dim() > 2:
+        raise UnreadableFileError(f"{at}: its shape tensor holds {list(shape_t.shape)} values; a Linear weight's "
+                                  "shape is 2 numbers (rows, columns)")
+    rows, cols = _int_list(shape_t, at, "its shape tensor")
+    if not (0 < rows < _MAX_DIM and 0 < cols < _MAX_DIM):
+        raise UnreadableFileError(f"{at}: shape [{rows}, {cols}] is not a weight's shape")
+    width = math.ceil(cols / 8)
+    if bitmask.dtype != torch.uint8 or list(bitmask.shape) != [rows, width]:
+        raise UnreadableFileError(f"{at}: shape [{rows}, {cols}] needs a uint8 bitmask of [{rows}, {width}], the "
+                                  f"file stores {bitmask.dtype} {list(bitmask.shape)} (a lying shape, or a damaged "
+                                  "file)")
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)).bitwise_and_(1).reshape(rows, width * 8)
+    if bool(bits[:, cols:].any()):
+        raise UnreadableFileError(f"{at}: the bitmask marks columns past {cols}, the width its shape gives")
+    counts = bits[:, :cols].sum(dim=1, dtype=torch.int64)
+    nnz = int(counts.sum())
+    if not (values.is_floating_point() and values.element_size() <= 8):
+        raise UnreadableFileError(f"{at}: its values are {values.dtype}; a sparse weight stores floating values")
+    if fmt == "sparse-bitmask":
+        if values.dim() != 1 or values.numel() != nnz:
+            raise UnreadableFileError(f"{at}: the bitmask marks {nnz} non-zeros, the file stores "
+                                      f"{list(values.shape)} values")
+        offsets = parts["row_offsets"]
+        if list(offsets.shape) != [rows] or _int_list(offsets, at, "row_offsets") != \
+                (torch.cumsum(counts, 0) - counts).tolist():
+            raise UnreadableFileError(f"{at}: row_offsets do not match the bitmask's rows")
+    else:
+        if cols % 4 or not bool((bits[:, :cols].reshape(rows, cols // 4, 4).sum(dim=-1) == 2).all()):
+            raise UnreadableFileError(f"{at}: the bitmask does not keep 2 of every 4 values, as {fmt} does")
+        if list(values.shape) != [rows, cols // 2]:
+            raise UnreadableFileError(f"{at}: 2:4 values of a [{rows}, {cols}] weight are [{rows}, {cols // 2}], "
+                                      f"the file stores {list(values.shape)}")
+    bias = plain.get(prefix + ".bias")
+    if bias is not None and list(bias.shape) != [rows]:
+        raise UnreadableFileError(f"{at}: shape [{rows}, {cols}] does not fit its bias of {list(bias.shape)}")
+    return [rows, cols]
+
+
+def _sparse_format(cfg: Dict[str, Any], where: str) -> Optional[str]:
+    """The sparse format config.json declares (None: no compression), refusing what prunekit cannot read."""
+    qc = cfg.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise UnreadableFileError(f"{where}: quantization_config is a {type(qc).__name__}, not an object")
+    if qc.get("quant_method", "compressed-tensors") != "compressed-tensors":
+        raise UnreadableFileError(f"{where}: quant_method {qc.get('quant_method')!r}; prunekit reads compressed-tensors "
+                                  "folders only")
+    if qc.get("config_groups"):
+        raise UnreadableFileError(f"{where}: the folder is quantized; prunekit reads compressed-tensors' sparse "
+                                  "layouts only (load it with compressed-tensors or vLLM)")
+    sc = qc.get("sparsity_config")
+    if sc is None:
+        return None
+    fmt = sc.get("format") if isinstance(sc, dict) else None
+    if fmt == "dense":
+        return None
+    if fmt not in _PARTS:
+        raise UnreadableFileError(f"{where}: sparsity format {fmt!r}; prunekit reads {sorted(_PARTS)}")
+    return fmt
+
+
 def read_compressed_tensors(path: Any, **_options: Any) -> "OrderedDict[str, torch.Tensor]":
-    """Read a compressed-tensors model folder back as a dense state dict, through compressed-tensors itself.
+    """Read a compressed-tensors model folder back as a dense state dict, through compressed-tensors' decompressor.
 
-    Every ``*.safetensors`` file and ``config.json`` go through prunekit's
-    hostile reader first; the decompression is compressed-tensors' own.
+    The folder is hostile input: only its own regular files are read
+    (``config.json``, then ``model.safetensors`` or the shards its
+    ``model.safetensors.index.json`` names), each once through prunekit's
+    reader, and all from one folder: if it is replaced or rewritten meanwhile,
+    it is read again (a few times, then refused), so the tensors are those of
+    one export, never a mix. Each compressed weight's parts are checked against
+    each other before compressed-tensors decompresses it. Every refusal is an
+    :class:`UnreadableFileError` (a ``ValueError``) naming the file and why.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> try:
         ...     read_compressed_tensors(tempfile.mkdtemp())
@@ -230,42 +445,61 @@ def read_compressed_tensors(path: Any, **_options: Any) -> "OrderedDict[str, tor
     """
     ModelCompressor, _, _ = _ct()
     folder = os.fspath(path)
-    cfg_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise UnreadableFileError(f"{folder}: no config.json; not a Hugging Face model folder")
-    cfg = read_json(cfg_path, what="config.json")
-    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
-    if not isinstance(cfg, dict) or not files:
-        raise UnreadableFileError(f"{folder}: expected config.json (an object) and *.safetensors files")
-    plain: "OrderedDict[str, torch.Tensor]" = OrderedDict()
-    from .reader import read_safetensors_tensor
-
-    for name in files:
-        p = os.path.join(folder, name)
-        with open_regular(p, what="safetensors file") as f:
-            header = read_safetensors_header(f, p)
-            for k in header.tensors:
-                plain[k] = read_safetensors_tensor(f, header, k)
-    qc = cfg.get("quantization_config")
+    for attempt in range(_READ_ATTEMPTS):
+        try:
+            cfg, plain = _snapshot(folder)
+            break
+        except _Changed:
+            # a swap is over at once: read again now; a replace by two renames takes a moment
+            logger.debug("read_compressed_tensors: %s changed while being read; reading it again", folder)
+            time.sleep(min(0.05 * attempt, 0.2))
+    else:
+        raise UnreadableFileError(f"{folder}: changed while being read, {_READ_ATTEMPTS} times in a row (is it "
+                                  "being written?); read it again once its writer is done")
+    cfg_where = os.path.join(folder, "config.json")
+    fmt = _sparse_format(cfg, cfg_where)
+    if fmt is None:
+        packed = [k for k in plain if k.endswith(".bitmask") and k[:-len("bitmask")] + "compressed" in plain]
+        if packed:
+            raise UnreadableFileError(f"{cfg_where}: the folder holds compressed weights ({packed[0]!r}, ...) but "
+                                      "config.json declares no sparsity format (quantization_config.sparsity_config)")
+        return plain
+    where = folder
+    parts_of = _PARTS[fmt]
+    layers: Dict[str, Dict[str, torch.Tensor]] = {}
+    for k in plain:
+        prefix, _, leaf = k.rpartition(".")
+        if leaf in _COMPRESSED_PARTS and prefix:
+            if prefix + ".bitmask" not in plain:
+                raise UnreadableFileError(f"{where}: {k!r} is a part of a compressed weight, but there is no "
+                                          f"{prefix + '.bitmask'!r}")
+            layers.setdefault(prefix, {})[leaf] = plain[k]
+    for prefix, parts in layers.items():
+        if prefix + ".weight" in plain:
+            raise UnreadableFileError(f"{where}: {prefix + '.weight'!r} is stored both dense and compressed")
+        _check_layer(fmt, prefix, parts, plain, where)
     try:
-        compressor = ModelCompressor.from_compression_config(qc) if isinstance(qc, dict) else None
-        sparse_compressor = getattr(compressor, "sparsity_compressor", None)
-        dense = dict(sparse_compressor.decompress(folder)) if sparse_compressor is not None else {}
+        compressor = ModelCompressor.from_compression_config(cfg["quantization_config"])
+        sparse = getattr(compressor, "sparsity_compressor", None)
+        if sparse is None:
+            raise ValueError("no sparsity compressor")
+        dense = {prefix: sparse.decompress_weight({leaf: parts[leaf] for leaf in parts_of})
+                 for prefix, parts in layers.items()}
     except Exception as e:  # compressed-tensors raises many types on a malformed folder
         lines = str(e).strip().splitlines()
         raise UnreadableFileError(f"{folder}: compressed-tensors cannot decompress it "
                                   f"({type(e).__name__}: {lines[0] if lines else ''})") from None
-    prefixes = {k.rsplit(".", 1)[0] for k in plain if k.rsplit(".", 1)[-1] in _COMPRESSED_PARTS
-                and k.rsplit(".", 1)[0] + ".bitmask" in plain}
     out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     for k, v in plain.items():
         prefix, _, leaf = k.rpartition(".")
-        if prefix in prefixes and leaf in _COMPRESSED_PARTS:
+        if prefix in layers and leaf in _COMPRESSED_PARTS:
             wk = prefix + ".weight"
             if wk not in out:
-                if wk not in dense:
-                    raise UnreadableFileError(f"{folder}: compressed weight {wk!r} was not decompressed")
-                out[wk] = dense[wk]
+                w = dense[prefix]
+                rows, cols = _int_list(layers[prefix]["shape"], where, "shape")
+                if not isinstance(w, torch.Tensor) or list(w.shape) != [rows, cols]:  # pragma: no cover
+                    raise UnreadableFileError(f"{where}: compressed weight {wk!r} decompressed to the wrong shape")
+                out[wk] = w
         else:
-            out[k] = dense.get(k, v)
+            out[k] = v
     return out

@@ -16,7 +16,7 @@ class UnreadableFileError(ValueError):
     Raised for non-regular files (a FIFO, a device, a directory), files over a
     size limit and malformed JSON or YAML.
 
-    Example:
+    Examples:
         >>> from prunekit.io import read_json
         >>> try:
         ...     read_json("/dev/zero")
@@ -29,7 +29,7 @@ class UnreadableFileError(ValueError):
 class CorruptCheckpointError(UnreadableFileError):
     """The compressed checkpoint is damaged, truncated or not a prunekit file.
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> from prunekit.sparse import save_compressed, load_compressed, CorruptCheckpointError
         >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")
@@ -47,7 +47,7 @@ class CorruptCheckpointError(UnreadableFileError):
 class CheckpointSignatureError(CorruptCheckpointError):
     """A signed checkpoint's HMAC does not verify: wrong key, missing signature, or altered file.
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> from prunekit.io import save_compressed, load_compressed
         >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")

@@ -27,10 +27,12 @@ outside :mod:`prunekit.io`.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import stat
-from typing import IO, Any, Dict, List, Sequence, Tuple, Type
+from typing import IO, Any, Dict, List, Optional, Sequence, Tuple, Type
 
 
 from .errors import UnreadableFileError
@@ -44,6 +46,7 @@ __all__ = [
     "file_kind",
     "loads_json_strict",
     "open_regular",
+    "open_in_folder",
     "read_json",
     "read_text",
     "read_yaml",
@@ -64,7 +67,7 @@ _MAX_DEPTH = 64
 def file_kind(mode: int) -> str:
     """A word for what a ``st_mode`` is ("a directory", "a FIFO (named pipe)", ...).
 
-    Example:
+    Examples:
         >>> import os
         >>> file_kind(os.stat("/dev/null").st_mode), file_kind(os.stat("/").st_mode)
         ('a character device', 'a directory')
@@ -85,7 +88,7 @@ def open_regular(path: Any, *, error: Type[ValueError] = UnreadableFileError, wh
     (an :class:`UnreadableFileError` by default) naming the path, or
     ``FileNotFoundError`` naming it when nothing is there.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> d = tempfile.mkdtemp(); os.mkfifo(os.path.join(d, "pipe"))
         >>> try:
@@ -114,10 +117,66 @@ def open_regular(path: Any, *, error: Type[ValueError] = UnreadableFileError, wh
         raise
 
 
+def open_in_folder(folder: Any, name: Any, *, dir_fd: Optional[int] = None,
+                   error: Type[ValueError] = UnreadableFileError, what: str = "file") -> IO[bytes]:
+    """Open the file ``name`` of ``folder`` like :func:`open_regular`, refusing every way out of the folder.
+
+    ``name`` usually comes from a hostile index (a ``weight_map``): it must be one
+    plain file name -- not absolute, no ``/`` or ``\\``, not ``.`` or ``..``, no
+    NUL -- and a symbolic link is refused, not followed (it could lead anywhere),
+    as is anything but a regular file (a FIFO is opened non-blocking, so it cannot
+    hang the caller). With ``dir_fd``, an open descriptor of ``folder``, the name is
+    looked up in that very folder even if ``folder`` has been replaced since.
+    Raises ``error`` naming the path and why, or ``FileNotFoundError``.
+
+    Examples:
+        >>> import os, tempfile
+        >>> d = tempfile.mkdtemp(); _ = open(os.path.join(d, "config.json"), "w").write("{}")
+        >>> open_in_folder(d, "config.json").read()
+        b'{}'
+        >>> try:
+        ...     open_in_folder(d, "../secret.safetensors")
+        ... except UnreadableFileError as e:
+        ...     print(str(e)[len(d):])
+        : file name '../secret.safetensors' is not a plain file name inside the folder; refusing it
+    """
+    folder = os.fspath(folder)
+    seps = {"/", "\\", os.sep, os.altsep or "/"}
+    if (not isinstance(name, str) or name in ("", ".", "..") or "\0" in name or any(c in name for c in seps)
+            or len(name) > 255):
+        raise error(f"{folder}: {what} name {name!r} is not a plain file name inside the folder; refusing it")
+    where = os.path.join(folder, name)
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    flags = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+             | nofollow)
+    try:
+        if not nofollow and os.path.islink(where):  # pragma: no cover - systems without O_NOFOLLOW
+            raise OSError(errno.ELOOP, "is a symbolic link", where)
+        fd = os.open(name, flags, dir_fd=dir_fd) if dir_fd is not None else os.open(where, flags)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, f"{what} not found", where) from None
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW on a link (EMLINK on some BSDs)
+            raise error(f"{where}: a symbolic link; prunekit reads only the folder's own files, never what a "
+                        "link points at (copy the folder with `cp -rL` to read the targets)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{where}: not a regular file ({file_kind(st.st_mode)}); give a {what}")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+
+
 def read_text(path: Any, *, limit: int = TEXT_LIMIT, what: str = "file") -> str:
     """Read a UTF-8 text file of at most ``limit`` bytes from a regular file.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> p = os.path.join(tempfile.mkdtemp(), "a.txt"); _ = open(p, "w").write("hi")
         >>> read_text(p)
@@ -160,7 +219,7 @@ def loads_json_strict(text: Any, where: str, *, error: Type[ValueError] = Unread
                       max_depth: int = _MAX_DEPTH) -> Any:
     """Parse JSON strictly: duplicate keys, ``NaN``/``Infinity`` and deep nesting are ``error``.
 
-    Example:
+    Examples:
         >>> loads_json_strict('{"a": [1, 2]}', "x.json")
         {'a': [1, 2]}
         >>> try:
@@ -184,7 +243,7 @@ def loads_json_strict(text: Any, where: str, *, error: Type[ValueError] = Unread
 def read_json(path: Any, *, limit: int = TEXT_LIMIT, what: str = "JSON file") -> Any:
     """Read a JSON file through the hostile reader (regular file, bounded, strict).
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> p = os.path.join(tempfile.mkdtemp(), "c.json"); _ = open(p, "w").write('{"sparsity": 0.9}')
         >>> read_json(p)
@@ -200,7 +259,7 @@ def read_bytes(path: Any, *, limit: int, what: str = "file") -> bytes:
     The size is checked (``fstat``) before anything is allocated, and the read
     stops at ``limit + 1`` bytes whatever the file claims.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> p = os.path.join(tempfile.mkdtemp(), "k.key"); _ = open(p, "wb").write(b"s3cret")
         >>> read_bytes(p, limit=64, what="key file")
@@ -360,7 +419,7 @@ def loads_yaml_strict(text: str, where: str, *, error: Type[ValueError] = Unread
     long. ``mapping_tags`` are local tags (such as ``"!Pruner"``) read as
     plain dicts. An empty document is ``None``.
 
-    Example:
+    Examples:
         >>> loads_yaml_strict("sparsity: 0.9\\nnames: [fc1, fc2]\\n", "c.yaml")
         {'sparsity': 0.9, 'names': ['fc1', 'fc2']}
         >>> try:
@@ -407,7 +466,7 @@ def read_yaml(path: Any, *, limit: int = CONFIG_LIMIT, what: str = "YAML file",
     kilobytes), UTF-8, parsed by :func:`loads_yaml_strict` (safe, strict, alias
     bombs refused before they expand).
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> p = os.path.join(tempfile.mkdtemp(), "c.yaml"); _ = open(p, "w").write("target_sparsity: 0.9\\n")
         >>> read_yaml(p)
@@ -423,7 +482,7 @@ def read_config(path: Any, *, what: str = "config file", limit: int = CONFIG_LIM
                 mapping_tags: Sequence[str] = ()) -> Any:
     """Read a configuration file: strict JSON for ``.json``, YAML otherwise; at most ``limit`` bytes.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> p = os.path.join(tempfile.mkdtemp(), "p.json"); _ = open(p, "w").write('{"pattern": "2:4"}')
         >>> read_config(p)

@@ -46,7 +46,7 @@ SAFETENSORS_ITEMSIZE = {
 def looks_like_safetensors(head: bytes, size: int) -> bool:
     """Whether the first bytes of a file (of ``size`` bytes) start a safetensors header.
 
-    Example:
+    Examples:
         >>> looks_like_safetensors(b"\\x02\\x00\\x00\\x00\\x00\\x00\\x00\\x00{}", 10)
         True
         >>> looks_like_safetensors(b"PK\\x03\\x04", 1000)
@@ -68,7 +68,7 @@ def read_safetensors_header(f: IO[bytes], path: str, *, error: Type[ValueError] 
     exactly, and a metadata dict of strings. Work and memory are bounded by the
     header's size.
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> from safetensors.torch import save_file
         >>> p = os.path.join(tempfile.mkdtemp(), "a.safetensors")
@@ -151,7 +151,7 @@ SAFETENSORS_TAGS: Dict[str, "torch.dtype"] = {
 def read_safetensors_tensor(f: IO[bytes], header: SafetensorsHeader, key: str) -> "torch.Tensor":
     """Read one tensor of a validated safetensors file, once, from the open file ``f``.
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> from safetensors.torch import save_file
         >>> p = os.path.join(tempfile.mkdtemp(), "a.safetensors")
@@ -182,7 +182,7 @@ def read_safetensors_tensor(f: IO[bytes], header: SafetensorsHeader, key: str) -
 def read_safetensors(path: Any, *, error: Type[ValueError] = UnreadableFileError) -> "Tuple[Dict[str, torch.Tensor], Dict[str, str]]":
     """Read a whole (plain) safetensors file through the hostile reader: ``(tensors, metadata)``.
 
-    Example:
+    Examples:
         >>> import os, tempfile, torch
         >>> from safetensors.torch import save_file
         >>> p = os.path.join(tempfile.mkdtemp(), "a.safetensors")

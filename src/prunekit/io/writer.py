@@ -17,6 +17,16 @@ A save behaves like a careful ``torch.save(obj, path)``:
 * **errors name your path** -- an ``OSError`` says ``path``, not the
   temporary name.
 
+The temporary name is armed for removal *before* it exists: a
+``KeyboardInterrupt`` at any point -- even between the system call that
+creates the file and the next line -- leaves no ``.prunekit-tmp`` file behind.
+
+:func:`atomic_folder` does the same for a whole folder (a Hugging Face model
+folder): the new folder is built beside the old one and the two are swapped
+in one step, so the old folder is never lost and readers never find the path
+missing. :func:`unnamed_file` gives scratch files (spools) that have no name
+at all, so nothing can be left behind.
+
 An existing target that is not a regular file (``/dev/null``, a FIFO) is
 written in place, as ``open(path, "wb")`` would, never replaced.
 
@@ -29,19 +39,25 @@ This module knows files and bytes only; it imports nothing from prunekit.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
+import logging
 import os
 import secrets
+import shutil
 import stat
-from typing import IO, Any, Callable, Iterator, Optional, Union
+import sys
+from typing import IO, Any, Callable, Iterator, Optional, Tuple, Union
 
 __all__ = [
     "PathLike",
+    "atomic_folder",
     "atomic_path",
     "atomic_write",
     "is_file_like",
     "resolve_target",
+    "unnamed_file",
     "write_bytes",
     "write_json",
     "write_text",
@@ -50,12 +66,13 @@ __all__ = [
 
 PathLike = Union[str, "os.PathLike[str]"]
 _TMP_MARK = ".prunekit-tmp"
+logger = logging.getLogger(__name__)
 
 
 def is_file_like(target: Any) -> bool:
     """True for an object with a ``write`` method (written to directly, not replaced).
 
-    Example:
+    Examples:
         >>> import io
         >>> is_file_like(io.BytesIO()), is_file_like("model.pt")
         (True, False)
@@ -69,7 +86,7 @@ def resolve_target(path: PathLike) -> str:
     ``open(path, "wb")`` follows links, and so does prunekit: the link stays, its
     target gets the new content. A relative link resolves against the link's folder.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> d = tempfile.mkdtemp()
         >>> os.symlink("real.pt", os.path.join(d, "link.pt"))
@@ -104,19 +121,14 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def _create_temp(target: str) -> "tuple[int, str]":
-    """Create an empty, exclusive temporary file beside ``target`` with the umask's permissions."""
+def _temp_name(target: str) -> str:
+    """A fresh temporary name beside ``target``, keeping its extension."""
     directory, base = os.path.split(target)
     stem, ext = os.path.splitext(base)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
-    for _ in range(100):
-        tmp = os.path.join(directory, f".{stem}.{secrets.token_hex(4)}{_TMP_MARK}{ext}")
-        try:
-            # 0o666: the kernel applies the process umask, as open(path, "wb") does
-            return os.open(tmp, flags, 0o666), tmp
-        except FileExistsError:  # pragma: no cover - 32 random bits collided
-            continue
-    raise FileExistsError(errno.EEXIST, "could not create a temporary file", target)  # pragma: no cover
+    return os.path.join(directory, f".{stem}.{secrets.token_hex(4)}{_TMP_MARK}{ext}")
+
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
 
 
 @contextlib.contextmanager
@@ -129,9 +141,9 @@ def atomic_path(path: PathLike) -> Iterator[str]:
     that chooses the format by extension chooses the same one. On leaving the
     block the file is fsync-ed, given the permissions a fresh ``open(path, "wb")``
     would give, and moved over ``path``; on an exception (``KeyboardInterrupt``
-    included) it is removed and ``path`` is untouched.
+    included, wherever it lands) it is removed and ``path`` is untouched.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> path = os.path.join(tempfile.mkdtemp(), "notes.txt")
         >>> with atomic_path(path) as tmp:
@@ -154,15 +166,30 @@ def atomic_path(path: PathLike) -> Iterator[str]:
         # a device, a FIFO, /dev/stdout: written in place, as open(path, "wb") would (never replaced)
         yield target
         return
+    tmp: Optional[str] = None  # armed: whatever name this holds is removed on any failure
     try:
-        fd, tmp = _create_temp(target)
+        fd = -1
+        for _ in range(100):
+            tmp = _temp_name(target)  # armed before the file exists
+            try:
+                # 0o666: the kernel applies the process umask, as open(path, "wb") does
+                fd = os.open(tmp, _CREATE, 0o666)
+                break
+            except FileExistsError:  # pragma: no cover - 32 random bits collided: not ours to remove
+                tmp = None
+        if tmp is None:  # pragma: no cover
+            raise FileExistsError(errno.EEXIST, "could not create a temporary file", target)
+        try:
+            # the mode the kernel gave a fresh 0o666 file under this umask; an existing file keeps its own
+            mode = stat.S_IMODE(existing.st_mode if existing is not None else os.fstat(fd).st_mode)
+        finally:
+            os.close(fd)
     except OSError as exc:
+        _remove_quietly(tmp)
         raise _oserror_for(exc, user_path) from None
-    try:
-        # the mode the kernel gave a fresh 0o666 file under this umask; an existing file keeps its own
-        mode = stat.S_IMODE(existing.st_mode if existing is not None else os.fstat(fd).st_mode)
-    finally:
-        os.close(fd)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
     try:
         yield tmp
         try:
@@ -178,9 +205,42 @@ def atomic_path(path: PathLike) -> Iterator[str]:
             raise _oserror_for(exc, user_path) from None
         _fsync_dir(os.path.dirname(target))
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        _remove_quietly(tmp)
         raise
+
+
+def _remove_quietly(path: Optional[str]) -> None:
+    """Remove a temporary file if it is there, finishing even when Ctrl-C lands in the middle."""
+    if path is not None:
+        _despite_interrupts(lambda: _unlink_if_there(path))
+
+
+def _unlink_if_there(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _despite_interrupts(step: Callable[[], None]) -> None:
+    """Run an idempotent clean-up step to its end: a ``KeyboardInterrupt`` inside it runs it again, then is raised.
+
+    An ``OSError`` (an interrupt inside ``shutil.rmtree`` can turn into one) is retried too,
+    then logged, not raised: clean-up never hides the error that caused it.
+    """
+    interrupted: Optional[BaseException] = None
+    failed: Optional[OSError] = None
+    for _ in range(5):
+        try:
+            step()
+            failed = None
+            break
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+        except OSError as exc:
+            failed = exc
+    if failed is not None:
+        logger.warning("prunekit.io.writer: clean-up failed: %s", failed)
+    if interrupted is not None:
+        raise interrupted
 
 
 @contextlib.contextmanager
@@ -192,7 +252,7 @@ def atomic_write(path: PathLike, mode: str = "wb", *, encoding: Optional[str] = 
     permissions, symlinks followed, no temporary file left on failure, errors
     naming ``path``.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> path = os.path.join(tempfile.mkdtemp(), "data.bin")
         >>> with atomic_write(path) as f:
@@ -223,7 +283,7 @@ def write_with(path_or_file: Any, writer: Callable[[Any], None]) -> None:
     The bridge for writers that take a file object, such as ``torch.save``:
     ``write_with(path, lambda f: torch.save(obj, f))``.
 
-    Example:
+    Examples:
         >>> import io, os, tempfile, torch
         >>> path = os.path.join(tempfile.mkdtemp(), "t.pt")
         >>> write_with(path, lambda f: torch.save({"w": torch.ones(2)}, f))
@@ -242,7 +302,7 @@ def write_with(path_or_file: Any, writer: Callable[[Any], None]) -> None:
 def write_bytes(path: PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> path = os.path.join(tempfile.mkdtemp(), "b.bin")
         >>> write_bytes(path, b"abc"); open(path, "rb").read()
@@ -255,7 +315,7 @@ def write_bytes(path: PathLike, data: bytes) -> None:
 def write_text(path: PathLike, text: str, *, encoding: str = "utf-8") -> None:
     """Write ``text`` to ``path`` atomically (UTF-8 by default).
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> path = os.path.join(tempfile.mkdtemp(), "t.txt")
         >>> write_text(path, "héllo"); open(path, encoding="utf-8").read()
@@ -281,7 +341,7 @@ def write_json(path_or_file: Any, data: Any, *, indent: Optional[int] = 2) -> No
     The whole document is encoded before the file is touched, so data that
     cannot be encoded leaves ``path`` as it was.
 
-    Example:
+    Examples:
         >>> import json, os, tempfile
         >>> path = os.path.join(tempfile.mkdtemp(), "r.json")
         >>> write_json(path, {"shape": (2, 3)}); json.load(open(path))
@@ -292,3 +352,251 @@ def write_json(path_or_file: Any, data: Any, *, indent: Optional[int] = 2) -> No
         path_or_file.write(text)
         return
     write_text(path_or_file, text)
+
+
+# ----------------------------------------------------------------------------- scratch files without a name
+_SCRATCH = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+
+
+def unnamed_file(directory: PathLike) -> IO[bytes]:
+    """A scratch file in ``directory``, open for reading and writing, that no name points at.
+
+    Where the file system allows (Linux ``O_TMPFILE``) it never has a name; elsewhere it
+    is created under a temporary name that is armed for removal before it exists and
+    unlinked at once (on Windows, deleted when closed). Either way a crash, a
+    ``KeyboardInterrupt`` or a forgotten ``close`` leaves nothing in ``directory``: the
+    space is freed when the file is closed. For spools as large as a model, which belong
+    beside the file they become, not in a small ``/tmp``.
+
+    Examples:
+        >>> import os, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> with unnamed_file(d) as f:
+        ...     _ = f.write(b"spooled"); _ = f.seek(0)
+        ...     f.read(), os.listdir(d)
+        (b'spooled', [])
+    """
+    directory = os.fspath(directory)
+    unnamed = getattr(os, "O_TMPFILE", 0)
+    if unnamed:
+        try:
+            fd = os.open(directory, os.O_RDWR | unnamed | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except OSError as exc:
+            # the file system (or the kernel) has no unnamed files: fall back to a name
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOTSUP):
+                raise
+        else:
+            return _fdopen_or_close(fd)
+    tmp: Optional[str] = None
+    try:
+        for _ in range(100):
+            tmp = os.path.join(directory, f".spool.{secrets.token_hex(4)}{_TMP_MARK}")  # armed before it exists
+            try:
+                fd = os.open(tmp, _SCRATCH | getattr(os, "O_TEMPORARY", 0), 0o600)
+                break
+            except FileExistsError:  # pragma: no cover - 32 random bits collided: not ours to remove
+                tmp = None
+        else:  # pragma: no cover
+            raise FileExistsError(errno.EEXIST, "could not create a scratch file", directory)
+        try:
+            if not getattr(os, "O_TEMPORARY", 0):
+                os.unlink(tmp)  # POSIX: the open file lives on without a name
+        except BaseException:
+            os.close(fd)
+            raise
+        return _fdopen_or_close(fd)
+    except BaseException:
+        if not getattr(os, "O_TEMPORARY", 0):
+            _remove_quietly(tmp)
+        raise
+
+
+def _fdopen_or_close(fd: int) -> IO[bytes]:
+    try:
+        return os.fdopen(fd, "w+b")
+    except BaseException:
+        # an interrupt after the file object was made: that object, dropped, closed the fd already
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+
+
+# ----------------------------------------------------------------------------- folders
+_RENAME_EXCHANGE = 2  # Linux renameat2 flag
+_RENAME_SWAP = 2  # macOS renamex_np flag
+_AT_FDCWD = -100
+_SWAP_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV}
+_swap_fn: "list[Any]" = []
+
+
+def _swap_function() -> Any:
+    """libc's call that swaps two names in one step (``renameat2``/``renamex_np``), or None."""
+    if not _swap_fn:
+        fn = None
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if sys.platform.startswith("linux") and hasattr(libc, "renameat2"):
+                fn = libc.renameat2
+                fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+                fn.restype = ctypes.c_int
+                raw = fn
+                fn = lambda a, b: raw(_AT_FDCWD, a, _AT_FDCWD, b, _RENAME_EXCHANGE)  # noqa: E731
+            elif sys.platform == "darwin" and hasattr(libc, "renamex_np"):
+                raw = libc.renamex_np
+                raw.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint]
+                raw.restype = ctypes.c_int
+                fn = lambda a, b: raw(a, b, _RENAME_SWAP)  # noqa: E731
+        except (OSError, AttributeError, TypeError):  # pragma: no cover - no C library to ask
+            fn = None
+        _swap_fn.append(fn)
+    return _swap_fn[0]
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the names ``a`` and ``b`` (both exist) atomically; False where the system cannot."""
+    fn = _swap_function()
+    if fn is None:
+        return False
+    if fn(os.fsencode(a), os.fsencode(b)) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _SWAP_UNSUPPORTED:
+        return False
+    raise OSError(err, os.strerror(err), a, None, b)
+
+
+def _ident(path: Optional[str]) -> Optional[Tuple[int, int]]:
+    """(device, inode) of what ``path`` names itself (links not followed), or None when nothing is there."""
+    if path is None:
+        return None
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _fsync_tree(folder: str) -> None:
+    """fsync every file and folder under ``folder`` (links are not followed)."""
+    for root, dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            p = os.path.join(root, name)
+            if os.path.islink(p):
+                continue
+            fd = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(root)
+
+
+def _remove_tree(path: Optional[str], ident: Optional[Tuple[int, int]]) -> None:
+    """Remove the folder at ``path`` if it is still the one ``ident`` names (None: whatever is there)."""
+    def step() -> None:
+        if path is not None and os.path.lexists(path) and (ident is None or _ident(path) == ident):
+            shutil.rmtree(path, ignore_errors=True)
+            if os.path.lexists(path):  # pragma: no cover - permissions
+                logger.warning("prunekit.io.writer: could not remove the temporary folder %s", path)
+
+    _despite_interrupts(step)
+
+
+@contextlib.contextmanager
+def atomic_folder(path: PathLike) -> Iterator[str]:
+    """Give a temporary folder to fill; on success it replaces the folder ``path`` in one step.
+
+    The temporary folder is made beside ``path`` (same file system) with a name
+    armed for removal before it exists. On leaving the block every file in it
+    is fsync-ed; then, where ``path`` exists, the two folders are *swapped*
+    atomically (Linux ``renameat2(RENAME_EXCHANGE)``, macOS
+    ``renamex_np(RENAME_SWAP)``), so ``path`` always names a complete folder,
+    old or new -- never missing, never half -- and the old one, moved to the
+    temporary name, is removed. A file system that cannot swap (NFS, some FUSE
+    mounts, Windows) gets two renames: the old folder aside, the new one in;
+    ``path`` is missing between them, and a reader that finds it missing next
+    to a ``.prunekit-tmp`` folder can wait for it.
+
+    On an exception -- ``KeyboardInterrupt`` included, wherever it lands, even
+    between the two renames or right after the swap -- the old folder is put
+    back and the new one removed: the call fails and ``path`` is as it was. A
+    ``path`` that is a symlink to a folder keeps the link; the folder it points
+    to is replaced.
+
+    Examples:
+        >>> import os, tempfile
+        >>> folder = os.path.join(tempfile.mkdtemp(), "export")
+        >>> for text in ("old", "new"):
+        ...     with atomic_folder(folder) as tmp:
+        ...         with open(os.path.join(tmp, "config.json"), "w") as f:
+        ...             _ = f.write(text)
+        >>> open(os.path.join(folder, "config.json")).read(), os.listdir(os.path.dirname(folder))
+        ('new', ['export'])
+    """
+    user = os.fspath(path)
+    target = resolve_target(user)
+    if os.path.lexists(target) and not os.path.isdir(target):
+        raise FileExistsError(errno.EEXIST, "is a file, not a folder; give a folder name", user)
+    parent, base = os.path.split(target)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(errno.ENOENT, f"the folder {parent} does not exist", user)
+    tmp: Optional[str] = None  # the new folder while it is built; the old one after a swap
+    aside: Optional[str] = None  # the old folder between two renames (no swap)
+    new_id: Optional[Tuple[int, int]] = None
+    old_id: Optional[Tuple[int, int]] = None
+    done = False
+    try:
+        for _ in range(100):
+            tmp = os.path.join(parent, f".{base}.{secrets.token_hex(4)}{_TMP_MARK}")  # armed before it exists
+            try:
+                os.mkdir(tmp, 0o777)
+                break
+            except FileExistsError:  # pragma: no cover - 32 random bits collided: not ours to remove
+                tmp = None
+        else:  # pragma: no cover
+            raise FileExistsError(errno.EEXIST, "could not create a temporary folder", user)
+        new_id = _ident(tmp)
+        yield tmp
+        try:
+            _fsync_tree(tmp)
+            old_id = _ident(target) if os.path.isdir(target) else None
+            if old_id is None:
+                os.rename(tmp, target)
+            elif not _exchange(tmp, target):
+                aside = os.path.join(parent, f".{base}.{secrets.token_hex(4)}{_TMP_MARK}")  # armed before
+                os.rename(target, aside)
+                os.rename(tmp, target)
+            _fsync_dir(parent)
+        except OSError as exc:
+            raise _oserror_for(exc, user) from None
+        done = True
+    finally:
+        if done:  # the new folder is in place: remove the old one, wherever it went
+            _remove_tree(aside if aside is not None else tmp, old_id)
+        else:
+            _despite_interrupts(lambda: _put_back(target, tmp, aside, new_id, old_id))
+            _remove_tree(tmp, new_id)
+
+
+def _put_back(target: str, tmp: Optional[str], aside: Optional[str], new_id: Optional[Tuple[int, int]],
+              old_id: Optional[Tuple[int, int]]) -> None:
+    """Undo a folder replace at whatever step it stopped: the old folder at ``target``, the new one at ``tmp``.
+
+    Decided from what the names hold now (device and inode), not from which line ran
+    last, so an interrupt between a rename and the next statement is undone too.
+    Idempotent: running it again changes nothing.
+    """
+    if tmp is None or new_id is None:
+        return
+    now = _ident(target)
+    if now == new_id:  # the new folder got in: take it out again
+        if old_id is None:
+            os.rename(target, tmp)
+        elif _ident(tmp) == old_id:  # swapped: swap back
+            if not _exchange(tmp, target):  # pragma: no cover - it swapped a moment ago
+                raise OSError(errno.EIO, "could not swap the folders back", target)
+        elif aside is not None and _ident(aside) == old_id:
+            os.rename(target, tmp)
+            os.rename(aside, target)
+    elif now is None and aside is not None and _ident(aside) == old_id:  # between the two renames
+        os.rename(aside, target)

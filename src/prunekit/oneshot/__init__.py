@@ -12,7 +12,7 @@ is :func:`oneshot` whether ``prunekit.oneshot`` was reached as the package or
 as the function (Python binds the subpackage to that attribute once it is
 imported).
 
-Example:
+Examples:
     >>> import prunekit, prunekit.oneshot
     >>> callable(prunekit.oneshot), prunekit.oneshot.__call__.__doc__ == prunekit.oneshot.oneshot.__doc__
     (True, True)

@@ -79,7 +79,7 @@ _FAITHFUL = {"damp": 0.01, "block_size": 128}
 def parse_pattern(pattern: str) -> NM:
     """``"unstructured"`` -> ``None``; ``"N:M"`` -> ``(N, M)`` (keep at most N of every M).
 
-    Example:
+    Examples:
         >>> parse_pattern("2:4"), parse_pattern("unstructured")
         ((2, 4), None)
     """
@@ -250,8 +250,9 @@ def oneshot(
         pattern: ``"unstructured"`` or ``"N:M"`` (at most N non-zeros in every M consecutive
             input weights, PyTorch's convention).
         method: one of :data:`METHODS` (see the module docstring).
-        targets, ignore: regular expressions over qualified layer names (or layer class names);
+        targets: regular expressions over qualified layer names (or layer class names) to prune;
             by default every ``nn.Linear`` (and GPT-2 ``Conv1D``) inside the blocks.
+        ignore: regular expressions (the same kind) of layers to leave out; by default none.
         blocks: override the block search (a class name or a list of module names).
         device: the working device; each block (and its activations) moves there for its turn
             and back (offloading). ``None``: where the model is.
@@ -262,7 +263,7 @@ def oneshot(
     Returns a :class:`~prunekit.oneshot.OneshotReport`. On any error (``KeyboardInterrupt``
     included) the model is left exactly as it was.
 
-    Example:
+    Examples:
         >>> import torch, prunekit
         >>> from torch import nn
         >>> _ = torch.manual_seed(0)

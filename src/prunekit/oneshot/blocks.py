@@ -15,7 +15,7 @@ pruning and anything else that processes a model one block at a time:
   ``with``, and back (offloading: the model stays where it is; one block at a
   time is on the working device).
 
-Example:
+Examples:
     >>> import torch
     >>> from torch import nn
     >>> from prunekit.oneshot.blocks import find_blocks, capture_block_inputs, run_block
@@ -104,7 +104,7 @@ class BlockInput:
 def to_device(obj: Any, device: Any) -> Any:
     """``obj`` with every tensor inside (tuples, lists, dicts) moved to ``device``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> to_device({"a": (torch.ones(1),)}, "cpu")["a"][0].device.type
         'cpu'
@@ -136,7 +136,7 @@ def find_blocks(model: nn.Module, blocks: Optional[Any] = None) -> List[Tuple[st
     outermost modules of a class named in :data:`KNOWN_BLOCKS`. ``blocks``
     overrides the search: a class name, a class, or a list of module names.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> net = nn.Sequential(nn.Linear(2, 4), nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]))
         >>> [n for n, _ in find_blocks(net)]
@@ -187,7 +187,7 @@ def _outermost(found: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.Module]
 def call_model(model: nn.Module, batch: Any) -> Any:
     """Call ``model`` on a batch: a dict as ``model(**batch)``, a tuple/list as ``model(*batch)``, else ``model(batch)``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> call_model(torch.nn.Identity(), (torch.ones(1),)).tolist()
         [1.0]
@@ -224,7 +224,7 @@ def capture_block_inputs(
     inputs are moved to ``device`` when given. A dict batch's 2-D
     ``attention_mask`` becomes the input's ``token_mask``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 3))
         >>> got = capture_block_inputs(net, net[1], [torch.ones(4, 2)])
@@ -277,7 +277,7 @@ def run_block(block: nn.Module, inputs: Sequence[BlockInput],
     ``each(i, input)`` is called before batch ``i`` runs (to set up per-batch
     hooks, e.g. the token mask of activation statistics).
 
-    Example:
+    Examples:
         >>> import torch
         >>> nxt = run_block(torch.nn.Linear(2, 2, bias=False), [BlockInput((torch.zeros(1, 2),))])
         >>> nxt[0].hidden.tolist()
@@ -299,7 +299,7 @@ def pre_hooks(pairs: Iterable[Tuple[nn.Module, Callable[..., Any]]], *, with_kwa
     Installed inside the protected region and removed by a cleanup that runs again if an
     interrupt cuts it short, so no hook outlives the block (``KeyboardInterrupt`` included).
 
-    Example:
+    Examples:
         >>> import torch
         >>> lin = torch.nn.Linear(2, 2)
         >>> with pre_hooks([(lin, lambda m, args: None)]):
@@ -334,7 +334,7 @@ def on_device(module: nn.Module, device: Any) -> Iterator[nn.Module]:
     With ``device=None`` nothing moves. Parameters keep their identity (data is
     moved in place), so masks, hooks and optimizers see the same objects.
 
-    Example:
+    Examples:
         >>> import torch
         >>> lin = torch.nn.Linear(2, 2)
         >>> with on_device(lin, "cpu") as m:

@@ -21,7 +21,7 @@ __all__ = ["Target", "find_targets", "is_linear_like"]
 def is_linear_like(module: nn.Module) -> bool:
     """``nn.Linear`` (or a subclass), or a ``Conv1D`` with a 2-D weight (GPT-2's linear layers).
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> is_linear_like(nn.Linear(2, 3)), is_linear_like(nn.Conv1d(2, 3, 1))
         (True, False)
@@ -98,7 +98,7 @@ def find_targets(blocks: Iterable[Tuple[str, nn.Module]], targets: Patterns = No
     qualified name, or class names of the layers (``"Linear"``); ``targets=None``
     takes every linear layer in the blocks.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> blocks = [("h.0", nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))]
         >>> [t.name for t in find_targets(blocks, ignore=r"\\.1$")]

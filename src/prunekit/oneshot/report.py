@@ -35,7 +35,7 @@ class LayerResult:
 class OneshotReport:
     """The result of :func:`prunekit.oneshot`.
 
-    Example:
+    Examples:
         >>> from prunekit.oneshot import OneshotReport, LayerResult
         >>> r = OneshotReport("wanda", "unstructured", 0.5, [LayerResult("fc", 0, (2, 4), 4, 8, 0.1, 0.01)],
         ...                   blocks=1, samples=8, tokens=64, seconds=0.5)
@@ -69,7 +69,7 @@ class OneshotReport:
     def to_dict(self) -> Dict[str, Any]:
         """Plain data (JSON-ready).
 
-        Example:
+        Examples:
             >>> from prunekit.oneshot import OneshotReport
             >>> sorted(OneshotReport("magnitude", "2:4", 0.5).to_dict())[:4]
             ['blocks', 'layers', 'method', 'options']

@@ -52,7 +52,7 @@ NM = Optional[Tuple[int, int]]
 def prune_count(numel: int, sparsity: float) -> int:
     """How many of ``numel`` entries ``sparsity`` prunes (round half to even, as torch's amounts).
 
-    Example:
+    Examples:
         >>> prune_count(10, 0.25)
         2
     """
@@ -74,7 +74,7 @@ def _check(weight: Tensor, sparsity: float, nm: NM) -> None:
 def nm_keep_mask(scores: Tensor, n: int, m: int) -> Tensor:
     """Keep the ``n`` highest scores of every ``m`` consecutive entries of each row (ties: the earlier one).
 
-    Example:
+    Examples:
         >>> import torch
         >>> nm_keep_mask(torch.tensor([[4., 1., 3., 2., 1., 5., 6., 0.]]), 2, 4).int()
         tensor([[1, 0, 1, 0, 0, 1, 1, 0]], dtype=torch.int32)
@@ -91,7 +91,7 @@ def nm_keep_mask(scores: Tensor, n: int, m: int) -> Tensor:
 def row_keep_mask(scores: Tensor, sparsity: float) -> Tensor:
     """Prune the ``round(sparsity * in)`` lowest scores of every row (ties: the earlier one goes).
 
-    Example:
+    Examples:
         >>> import torch
         >>> row_keep_mask(torch.tensor([[3., 1., 2., 0.]]), 0.5).int()
         tensor([[1, 0, 1, 0]], dtype=torch.int32)
@@ -113,7 +113,7 @@ def _matrix_keep_mask(scores: Tensor, k: int) -> Tensor:
 def magnitude_prune(weight: Tensor, sparsity: float = 0.5, nm: NM = None) -> Tensor:
     """Keep-mask of magnitude pruning: the whole matrix's smallest ``|w|``, or per group of ``m``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> magnitude_prune(torch.tensor([[1., -4.], [3., 2.]]), 0.5).int()
         tensor([[0, 1],
@@ -129,7 +129,7 @@ def magnitude_prune(weight: Tensor, sparsity: float = 0.5, nm: NM = None) -> Ten
 def wanda_prune(weight: Tensor, input_norm: Tensor, sparsity: float = 0.5, nm: NM = None) -> Tensor:
     """Wanda's keep-mask: ``|w_ij| * ||X_j||_2`` compared per output row (or per group of ``m``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> wanda_prune(torch.tensor([[1., -2.], [3., 1.]]), torch.tensor([4., 1.]), 0.5).int()
         tensor([[1, 0],
@@ -149,7 +149,7 @@ def hessian_inverse_cholesky(xtx: Tensor, damp: float = 0.01) -> Tensor:
     removing weight ``i`` when only columns ``i..`` are free, and ``U_ii^2`` is
     ``[H_F^-1]_ii`` of that sub-problem.
 
-    Example:
+    Examples:
         >>> import torch
         >>> u = hessian_inverse_cholesky(torch.tensor([[4., 0.], [0., 1.]]), damp=0.0)
         >>> torch.allclose(u, torch.tensor([[0.5, 0.0], [0.0, 1.0]]))
@@ -179,7 +179,7 @@ def sparsegpt_prune(
     saliency picks the ``n`` kept weights of each group of ``m`` when the group's
     first column is reached. Inputs that were always zero get weight 0.
 
-    Example:
+    Examples:
         >>> import torch
         >>> _ = torch.manual_seed(0)
         >>> x = torch.randn(64, 8); w = torch.randn(4, 8)
@@ -243,7 +243,7 @@ def refit_masked(
     gradients restricted to the kept entries, all rows at once, with a Jacobi
     preconditioner, starting from ``weight`` (so ``iters=0`` returns it masked).
 
-    Example:
+    Examples:
         >>> import torch
         >>> _ = torch.manual_seed(0)
         >>> x = torch.randn(256, 6); t = torch.randn(3, 6); keep = torch.rand(3, 6) > 0.5
@@ -283,7 +283,7 @@ def refit_masked(
 def reconstruction_error(new: Tensor, dense: Tensor, xtx: Tensor) -> float:
     """Relative output error on the calibration inputs: ``||X (W - D)^T||^2 / ||X D^T||^2``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> reconstruction_error(torch.zeros(1, 2), torch.ones(1, 2), torch.eye(2))
         1.0

@@ -107,9 +107,9 @@ def build(verbose: bool = False) -> Path:
         cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=list(_CFLAGS),
                            extra_ldflags=list(_LDFLAGS), build_directory=str(directory), is_python_module=False,
                            verbose=verbose)
-        tmp = _stamp_path().with_suffix(".tmp")
-        tmp.write_text(_fingerprint())
-        os.replace(tmp, _stamp_path())
+        from ..io.writer import write_text
+
+        write_text(_stamp_path(), _fingerprint())  # atomic: no temporary left, whatever happens
         _state["loaded"] = None  # load() checks the fresh stamp
     if not available():
         raise RuntimeError(f"prunekit.sparse.native: built {_library_path()} but could not load it: "

@@ -40,7 +40,7 @@ entry overrides them. A wrong key, type or value raises ``ValueError`` or
 ``TypeError`` naming the key, the value and what is allowed (with a "did you
 mean" for a misspelled key).
 
-Example:
+Examples:
     >>> from prunekit.training import PruningConfig
     >>> cfg = PruningConfig.from_dict({
     ...     "target_sparsity": 0.8, "pattern": "1x1", "prune_type": "magnitude", "end_step": 100,
@@ -93,7 +93,7 @@ class PrunerConfig:
 
     Constructing it validates every field; errors name the key and the value.
 
-    Example:
+    Examples:
         >>> from prunekit.training import PrunerConfig
         >>> PrunerConfig(prune_type="magnitude", target_sparsity=0.5, pattern="1x1").prune_domain
         'global'
@@ -218,7 +218,7 @@ class PrunerConfig:
     def from_dict(cls, d: Mapping[str, Any], where: str = "pruner config") -> "PrunerConfig":
         """Build from a mapping that may use alias spellings.
 
-        Example:
+        Examples:
             >>> from prunekit.training import PrunerConfig
             >>> PrunerConfig.from_dict({"pruning_type": "snip", "pruning_scope": "local"}).prune_domain
             'local'
@@ -234,7 +234,7 @@ class PrunerConfig:
 class PruningConfig:
     """Several pruners' settings: ``pruners`` is a list of :class:`PrunerConfig`.
 
-    Example:
+    Examples:
         >>> from prunekit.training import PruningConfig
         >>> cfg = PruningConfig.from_dict({"prune_type": "magnitude", "target_sparsity": 0.5})
         >>> len(cfg.pruners), cfg.pruners[0].prune_type
@@ -303,7 +303,7 @@ class PruningConfig:
         a regular file of at most 1 MiB, parsed safely with alias bombs, deep nesting
         and duplicate keys refused, or a ``ValueError`` naming the path.
 
-        Example:
+        Examples:
             >>> import os, tempfile
             >>> from prunekit.training import PruningConfig
             >>> p = os.path.join(tempfile.mkdtemp(), "prune.yaml")
@@ -326,7 +326,7 @@ def load_config(config: Any, model: Any = None) -> PruningConfig:
     :class:`prunekit.compat.neural_compressor.WeightPruningConfig`) is asked for
     its :class:`PruningConfig`; ``model`` is passed on (it may be ``None``).
 
-    Example:
+    Examples:
         >>> from prunekit.training import load_config
         >>> load_config({"prune_type": "magnitude"}).pruners[0].pattern
         '4x1'
