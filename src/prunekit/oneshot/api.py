@@ -250,9 +250,8 @@ def oneshot(
         pattern: ``"unstructured"`` or ``"N:M"`` (at most N non-zeros in every M consecutive
             input weights, PyTorch's convention).
         method: one of :data:`METHODS` (see the module docstring).
-        targets: regular expressions over qualified layer names (or layer class names) to prune;
-            by default every ``nn.Linear`` (and GPT-2 ``Conv1D``) inside the blocks.
-        ignore: regular expressions (the same kind) of layers to leave out; by default none.
+        targets: regular expressions over qualified layer names (or layer class names) to prune
+            (``ignore``: to leave out); by default every ``nn.Linear`` (and GPT-2 ``Conv1D``) in the blocks.
         blocks: override the block search (a class name or a list of module names).
         device: the working device; each block (and its activations) moves there for its turn
             and back (offloading). ``None``: where the model is.
