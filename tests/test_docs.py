@@ -79,7 +79,10 @@ def run_checking_claims(code, namespace, where):
         line = lines[stmt.end_lineno - 1]
         literal, weights, rows = (p.search(line) for p in (CLAIM_LITERAL, CLAIM_WEIGHTS, CLAIM_ROWS))
         if literal and isinstance(stmt, ast.Expr):
-            value = eval(compile(ast.Expression(stmt.value), where, "eval"), namespace)
+            shown = stmt.value
+            if isinstance(shown, ast.Call) and isinstance(shown.func, ast.Name) and shown.func.id == "print":
+                shown = shown.args[0]  # ``print(x)  # 1`` claims what x is
+            value = eval(compile(ast.Expression(shown), where, "eval"), namespace)
             assert value == ast.literal_eval(literal.group(1)), ast.unparse(stmt)
             continue
         exec(compile(ast.Module(body=[stmt], type_ignores=[]), where, "exec"), namespace)
@@ -97,5 +100,7 @@ def run_checking_claims(code, namespace, where):
 def test_a_claim_that_does_not_hold_fails():
     with pytest.raises(AssertionError):
         run_checking_claims("x = 3\nx  # 4\n", {}, "test")
+    with pytest.raises(AssertionError):
+        run_checking_claims("x = 3\nprint(x)  # 4\n", {}, "test")
     with pytest.raises(NameError):  # nothing is defined before a block
         run_checking_claims("model\n", {}, "test")
