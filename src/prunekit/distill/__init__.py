@@ -1,0 +1,1 @@
+"""Distillation: a student model trained to match a teacher on unlabeled data."""

@@ -1,0 +1,107 @@
+"""Where a Hugging Face family keeps what shrinking changes: its layer list and config keys.
+
+One table, keyed by ``config.model_type``. Every shrinking axis (hidden size, depth,
+experts) looks its family up here and raises a :class:`ValueError` naming the family
+when it is not known, so an unsupported model is an error, never a silently wrong one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+from torch import nn
+
+__all__ = ["FAMILIES", "ShrinkFamily", "family_of", "layer_list"]
+
+
+@dataclass(frozen=True)
+class ShrinkFamily:
+    """A family's layout as shrinking sees it.
+
+    ``layers`` are the dotted paths (tried in order: transformers versions differ), from the
+    base model (``model.base_model``), of the ``nn.ModuleList`` of its transformer blocks; ``kind`` is ``"decoder"`` or
+    ``"encoder"``; ``moe`` says whether blocks may hold a sparse mixture of experts.
+    """
+
+    layers: Tuple[str, ...]
+    kind: str
+    moe: bool = False
+
+
+_DECODER = ShrinkFamily(("layers",), "decoder")
+_MOE = ShrinkFamily(("layers",), "decoder", moe=True)
+_ENCODER = ShrinkFamily(("encoder.layer", "layers"), "encoder")
+
+#: model_type -> layout; add an entry (and the axis rules of the other shrink modules) for a new family
+FAMILIES: Dict[str, ShrinkFamily] = {
+    "llama": _DECODER,
+    "mistral": _DECODER,
+    "qwen2": _DECODER,
+    "qwen3": _DECODER,
+    "gemma": _DECODER,
+    "gemma2": _DECODER,
+    "gemma3_text": _DECODER,
+    "phi3": _DECODER,
+    "gpt2": ShrinkFamily(("h",), "decoder"),
+    "opt": ShrinkFamily(("decoder.layers",), "decoder"),
+    "mixtral": _MOE,
+    "qwen2_moe": _MOE,
+    "qwen3_moe": _MOE,
+    "bert": _ENCODER,
+    "roberta": _ENCODER,
+    "distilbert": ShrinkFamily(("transformer.layer",), "encoder"),
+    "vit": _ENCODER,
+}
+
+
+def family_of(model: nn.Module, what: str = "prunekit.shrink") -> Tuple[str, ShrinkFamily]:
+    """``(model_type, family)`` of a Hugging Face model; ``ValueError`` naming the family if unknown.
+
+    Examples:
+        >>> import transformers
+        >>> cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...                                num_hidden_layers=2, num_attention_heads=2)
+        >>> family_of(transformers.LlamaForCausalLM(cfg))
+        ('llama', ShrinkFamily(layers=('layers',), kind='decoder', moe=False))
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if not isinstance(model_type, str):
+        raise ValueError(f"{what}: {type(model).__name__} is not a Hugging Face model (it has no config.model_type); "
+                         "shrink works on transformers models (AutoModel*.from_pretrained)")
+    family = FAMILIES.get(model_type)
+    if family is None:
+        known = ", ".join(sorted(FAMILIES))
+        raise ValueError(f"{what}: the family {model_type!r} ({type(model).__name__}) has no shrink handler; known "
+                         f"families: {known} (add one to prunekit.shrink.families.FAMILIES)")
+    return model_type, family
+
+
+def _base(model: nn.Module) -> nn.Module:
+    """The model that holds the blocks: ``model.base_model`` for heads such as ``*ForCausalLM``."""
+    base = getattr(model, "base_model", None)
+    return base if isinstance(base, nn.Module) else model
+
+
+def layer_list(model: nn.Module, what: str = "prunekit.shrink") -> Tuple[str, nn.ModuleList]:
+    """``(qualified name, ModuleList)`` of the model's transformer blocks.
+
+    Examples:
+        >>> import transformers
+        >>> cfg = transformers.GPT2Config(vocab_size=32, n_embd=16, n_layer=3, n_head=2)
+        >>> name, blocks = layer_list(transformers.GPT2LMHeadModel(cfg))
+        >>> name, len(blocks)
+        ('transformer.h', 3)
+    """
+    _, family = family_of(model, what)
+    base = _base(model)
+    prefix = next((n for n, m in model.named_modules() if m is base), "")
+    for path in family.layers:
+        blocks: Optional[Any] = base
+        for part in path.split("."):
+            blocks = getattr(blocks, part, None)
+        if isinstance(blocks, nn.ModuleList):
+            return (f"{prefix}.{path}" if prefix else path), blocks
+    raise ValueError(f"{what}: {type(model).__name__} has no block list at {' or '.join(map(repr, family.layers))}; "
+                     "its layout differs from its family's (add its path to prunekit.shrink.families.FAMILIES)")
