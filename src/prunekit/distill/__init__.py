@@ -1,1 +1,0 @@
-"""Distillation: a student model trained to match a teacher on unlabeled data."""
