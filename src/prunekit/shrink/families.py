@@ -8,7 +8,7 @@ when it is not known, so an unsupported model is an error, never a silently wron
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 from torch import nn
 
@@ -20,18 +20,17 @@ class ShrinkFamily:
     """A family's layout as shrinking sees it.
 
     ``layers`` are the dotted paths (tried in order: transformers versions differ), from the
-    base model (``model.base_model``), of the ``nn.ModuleList`` of its transformer blocks; ``kind`` is ``"decoder"`` or
-    ``"encoder"``; ``moe`` says whether blocks may hold a sparse mixture of experts.
+    base model (``model.base_model``), of the ``nn.ModuleList`` of its transformer blocks;
+    ``moe`` says whether blocks may hold a sparse mixture of experts.
     """
 
     layers: Tuple[str, ...]
-    kind: str
     moe: bool = False
 
 
-_DECODER = ShrinkFamily(("layers",), "decoder")
-_MOE = ShrinkFamily(("layers",), "decoder", moe=True)
-_ENCODER = ShrinkFamily(("encoder.layer", "layers"), "encoder")
+_DECODER = ShrinkFamily(("layers",))
+_MOE = ShrinkFamily(("layers",), moe=True)
+_ENCODER = ShrinkFamily(("encoder.layer", "layers"))
 
 #: model_type -> layout; add an entry (and the axis rules of the other shrink modules) for a new family
 FAMILIES: Dict[str, ShrinkFamily] = {
@@ -43,14 +42,14 @@ FAMILIES: Dict[str, ShrinkFamily] = {
     "gemma2": _DECODER,
     "gemma3_text": _DECODER,
     "phi3": _DECODER,
-    "gpt2": ShrinkFamily(("h",), "decoder"),
-    "opt": ShrinkFamily(("decoder.layers",), "decoder"),
+    "gpt2": ShrinkFamily(("h",)),
+    "opt": ShrinkFamily(("decoder.layers",)),
     "mixtral": _MOE,
     "qwen2_moe": _MOE,
     "qwen3_moe": _MOE,
     "bert": _ENCODER,
     "roberta": _ENCODER,
-    "distilbert": ShrinkFamily(("transformer.layer",), "encoder"),
+    "distilbert": ShrinkFamily(("transformer.layer",)),
     "vit": _ENCODER,
 }
 
@@ -63,7 +62,7 @@ def family_of(model: nn.Module, what: str = "prunekit.shrink") -> Tuple[str, Shr
         >>> cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
         ...                                num_hidden_layers=2, num_attention_heads=2)
         >>> family_of(transformers.LlamaForCausalLM(cfg))
-        ('llama', ShrinkFamily(layers=('layers',), kind='decoder', moe=False))
+        ('llama', ShrinkFamily(layers=('layers',), moe=False))
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -98,9 +97,10 @@ def layer_list(model: nn.Module, what: str = "prunekit.shrink") -> Tuple[str, nn
     base = _base(model)
     prefix = next((n for n, m in model.named_modules() if m is base), "")
     for path in family.layers:
-        blocks: Optional[Any] = base
-        for part in path.split("."):
-            blocks = getattr(blocks, part, None)
+        try:
+            blocks = base.get_submodule(path)
+        except AttributeError:
+            continue
         if isinstance(blocks, nn.ModuleList):
             return (f"{prefix}.{path}" if prefix else path), blocks
     raise ValueError(f"{what}: {type(model).__name__} has no block list at {' or '.join(map(repr, family.layers))}; "
