@@ -38,3 +38,15 @@ def test_an_unknown_family_or_a_plain_module_is_a_value_error():
         family_of(transformers.T5Model(cfg))
     with pytest.raises(ValueError, match="Linear is not a Hugging Face model"):
         layer_list(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("family", shrink_models.FAMILIES)
+def test_the_config_keys_name_the_models_sizes(family):
+    model = shrink_models.build(family)
+    fam = FAMILIES[family]
+    _, blocks = layer_list(model)
+    assert getattr(model.config, fam.layers_key) == len(blocks)
+    if fam.moe:
+        mlp = blocks[0].mlp
+        assert getattr(model.config, fam.experts_key) == mlp.experts.gate_up_proj.shape[0] == 4
+        assert getattr(model.config, fam.expert_ffn_key) == mlp.experts.down_proj.shape[-1]

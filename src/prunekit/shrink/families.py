@@ -8,7 +8,7 @@ when it is not known, so an unsupported model is an error, never a silently wron
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from torch import nn
 
@@ -21,15 +21,23 @@ class ShrinkFamily:
 
     ``layers`` are the dotted paths (tried in order: transformers versions differ), from the
     base model (``model.base_model``), of the ``nn.ModuleList`` of its transformer blocks;
-    ``moe`` says whether blocks may hold a sparse mixture of experts.
+    ``layers_key`` is the config key of their count. ``experts_key`` (the number of routed
+    experts) and ``expert_ffn_key`` (each expert's FFN width) are set for mixtures of experts.
     """
 
     layers: Tuple[str, ...]
-    moe: bool = False
+    layers_key: str = "num_hidden_layers"
+    experts_key: Optional[str] = None
+    expert_ffn_key: Optional[str] = None
+
+    @property
+    def moe(self) -> bool:
+        """Whether blocks may hold a sparse mixture of experts."""
+        return self.experts_key is not None
 
 
 _DECODER = ShrinkFamily(("layers",))
-_MOE = ShrinkFamily(("layers",), moe=True)
+_QWEN_MOE = ShrinkFamily(("layers",), experts_key="num_experts", expert_ffn_key="moe_intermediate_size")
 _ENCODER = ShrinkFamily(("encoder.layer", "layers"))
 
 #: model_type -> layout; add an entry (and the axis rules of the other shrink modules) for a new family
@@ -42,14 +50,14 @@ FAMILIES: Dict[str, ShrinkFamily] = {
     "gemma2": _DECODER,
     "gemma3_text": _DECODER,
     "phi3": _DECODER,
-    "gpt2": ShrinkFamily(("h",)),
+    "gpt2": ShrinkFamily(("h",), layers_key="n_layer"),
     "opt": ShrinkFamily(("decoder.layers",)),
-    "mixtral": _MOE,
-    "qwen2_moe": _MOE,
-    "qwen3_moe": _MOE,
+    "mixtral": ShrinkFamily(("layers",), experts_key="num_local_experts", expert_ffn_key="intermediate_size"),
+    "qwen2_moe": _QWEN_MOE,
+    "qwen3_moe": _QWEN_MOE,
     "bert": _ENCODER,
     "roberta": _ENCODER,
-    "distilbert": ShrinkFamily(("transformer.layer",)),
+    "distilbert": ShrinkFamily(("transformer.layer",), layers_key="n_layers"),
     "vit": _ENCODER,
 }
 
@@ -62,7 +70,7 @@ def family_of(model: nn.Module, what: str = "prunekit.shrink") -> Tuple[str, Shr
         >>> cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
         ...                                num_hidden_layers=2, num_attention_heads=2)
         >>> family_of(transformers.LlamaForCausalLM(cfg))
-        ('llama', ShrinkFamily(layers=('layers',), moe=False))
+        ('llama', ShrinkFamily(layers=('layers',), layers_key='num_hidden_layers', experts_key=None, expert_ffn_key=None))
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
