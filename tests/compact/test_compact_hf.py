@@ -178,7 +178,7 @@ def test_cached_keys_block_attention_with_a_reason():
     assert reasons and all("cached keys/values" in r for r in reasons)
 
 
-def test_approximate_hidden_size_reports_its_error_and_leaves_the_config(tmp_path):
+def test_approximate_hidden_size_reports_its_error_and_updates_the_config(tmp_path):
     from prunekit.compact import load_compacted, save_compacted
 
     def make():
@@ -199,9 +199,12 @@ def test_approximate_hidden_size_reports_its_error_and_leaves_the_config(tmp_pat
     err = _rel(_out(small, TOKENS), _out(model, TOKENS))
     desc = compaction_description(small)
     assert 1e-3 < err == pytest.approx(desc["approximate"]["output_relative_error"], rel=1e-3)
-    # the config cannot say the new hidden size: it is left alone, and the model saves with save_compacted
-    assert desc["hf_config"].startswith("not updated") and "hidden size changed" in desc["hf_config"]
-    assert small.config.hidden_size == 32 and small.config.intermediate_size == 48
+    # the config says the new hidden size: plain from_pretrained rebuilds the model
+    assert desc["hf_config"] == "updated"
+    assert small.config.hidden_size == 24 and small.config.intermediate_size == 36 and model.config.hidden_size == 32
+    small.save_pretrained(tmp_path / "hf")
+    plain = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert torch.equal(_out(plain, TOKENS), _out(small, TOKENS))
     save_compacted(small, tmp_path / "small.pt")
     saved = torch.load(tmp_path / "small.pt", weights_only=True)
     again = load_compacted(make(), saved["state_dict"], saved["description"])

@@ -88,6 +88,22 @@ def _norm_sizes(named: List[Tuple[str, nn.Module]]) -> List[int]:
     return out
 
 
+#: config keys that repeat the hidden size in some families (OPT's embedding projection width)
+_HIDDEN_ALIASES = ("word_embed_proj_dim",)
+
+
+def _hidden_width(model: nn.Module) -> Optional[int]:
+    """The residual stream's width: what the input embedding produces."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    if isinstance(emb, nn.Embedding):
+        return int(emb.weight.shape[1])
+    proj = getattr(emb, "projection", None)  # ViT-style patch embeddings
+    if isinstance(proj, nn.Conv2d):
+        return int(proj.weight.shape[0])
+    return None
+
+
 def _one(values: List[int], what: str) -> int:
     if not values:
         raise LookupError(f"no {what} found")
@@ -124,22 +140,32 @@ def updated_config(model: nn.Module) -> Tuple[Optional[Any], str]:
     except LookupError as exc:
         return None, str(exc)
     hidden = getattr(config, family.hidden_key, None)
-    widths = sorted(set(_norm_sizes(named)))
-    if isinstance(hidden, int) and widths and widths != [hidden]:
-        return None, (f"the hidden size changed ({family.hidden_key} {hidden}, normalizations now {widths}: "
-                      "approximate pruning with exact=False), which the config update does not cover; "
-                      "save with prunekit.compact.save_compacted")
+    new_hidden = _hidden_width(model)
+    widths = sorted(set(_norm_sizes(named)) - {head_dim})  # per-head q/k norms (Qwen3, Gemma 3) have the head size
+    if new_hidden is None or widths not in ([], [new_hidden]):
+        return None, (f"the hidden size is not one width ({family.hidden_key} {hidden}, input embedding "
+                      f"{new_hidden}, normalizations {widths}); save with prunekit.compact.save_compacted")
     new = copy.deepcopy(config)
     changes: Dict[str, int] = {family.ffn_key: ffn}
+    if new_hidden != hidden:
+        changes[family.hidden_key] = new_hidden
+        changes.update({k: new_hidden for k in _HIDDEN_ALIASES if getattr(config, k, None) == hidden})
     old_heads = getattr(config, family.heads_key)
     if n_heads != old_heads or (family.kv_heads_key and kv_heads != getattr(config, family.kv_heads_key, kv_heads)):
-        if family.head_dim_key is None:
-            return None, (f"{model_type}'s config derives the head size from hidden_size / {family.heads_key}, so it "
-                          f"cannot say {n_heads} heads of {head_dim}; save with prunekit.compact.save_compacted")
+        if family.head_dim_key is None and n_heads * head_dim != new_hidden:
+            return None, (f"{model_type}'s config derives the head size from {family.hidden_key} / {family.heads_key}, "
+                          f"so it cannot say {n_heads} heads of {head_dim} with {family.hidden_key} {new_hidden}; "
+                          "save with prunekit.compact.save_compacted")
         changes[family.heads_key] = n_heads
-        changes[family.head_dim_key] = head_dim
+        if family.head_dim_key is not None:
+            changes[family.head_dim_key] = head_dim
         if family.kv_heads_key:
             changes[family.kv_heads_key] = kv_heads
+    elif family.head_dim_key is None and n_heads * head_dim != new_hidden:
+        return None, (f"{model_type}'s config derives the head size from {family.hidden_key} / {family.heads_key}: "
+                      f"{family.hidden_key} {new_hidden} with {n_heads} heads would be heads of "
+                      f"{new_hidden / n_heads:g}, not {head_dim}; prune the heads with the hidden size (heads x head "
+                      f"size = hidden size) or save with prunekit.compact.save_compacted")
     for key, value in changes.items():
         setattr(new, key, value)
     logger.info("compact: %s config updated: %s", model_type, changes)

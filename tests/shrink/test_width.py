@@ -1,0 +1,87 @@
+"""Width axes: found per family, scored on calibration activations, emulated exactly as removed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.hf
+transformers = pytest.importorskip("transformers")
+
+import shrink_models  # noqa: E402
+from prunekit.compact.journal import Journal  # noqa: E402
+from prunekit.shrink.width import Width  # noqa: E402
+
+# what each family's blocks offer (the MoE families' hidden size waits on expert handlers)
+AXES = {"llama": ["ffn", "heads", "hidden"], "gpt2": ["ffn", "heads", "hidden"], "bert": ["ffn", "heads"],
+        "vit": ["ffn", "heads"], "distilbert": ["ffn", "heads"]}
+
+
+def _keep(width, fraction):
+    return {name: max(1, int(axis.units * fraction)) for name, axis in width.axes.items()}
+
+
+@pytest.mark.parametrize("family", sorted(AXES))
+def test_axes_of_each_family(family):
+    model = shrink_models.build(family)
+    width = Width(model, shrink_models.batches(family)[0])
+    assert sorted(width.axes) == AXES[family]
+    assert all(len(a.groups) == 4 for n, a in width.axes.items() if n != "hidden")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma", "gemma3_text", "gpt2", "opt", "phi3", "bert", "vit",
+                                    "distilbert", "mistral", "qwen2"])
+def test_emulation_computes_what_removal_leaves(family):
+    model = shrink_models.build(family)
+    batches = shrink_models.batches(family)
+    width = Width(model, batches[0])
+    width.score(batches)
+    keep = _keep(width, 0.6)
+    dense = shrink_models.output(model, batches[1])
+    with width.emulated(keep):
+        emulated = shrink_models.output(model, batches[1])
+    assert torch.equal(shrink_models.output(model, batches[1]), dense)  # hooks gone on exit
+    removed = width.apply(keep, Journal())
+    assert removed == sum(a.units - keep[n] for n, a in width.axes.items() for _ in a.groups)
+    out = shrink_models.output(model, batches[1])
+    assert out.shape == emulated.shape
+    torch.testing.assert_close(out, emulated, rtol=1e-5, atol=1e-6)
+    assert (dense - emulated).abs().max() > 1e-3  # the emulation did remove something
+
+
+def test_scores_rank_a_silenced_neuron_and_head_last():
+    model = shrink_models.build("llama")
+    batches = shrink_models.batches("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[5].zero_()  # neuron 5 of block 1 outputs 0
+        model.model.layers[2].self_attn.v_proj.weight[8:16].zero_()  # key/value group 1 of block 2 outputs 0
+    width = Width(model, batches[0])
+    width.score(batches)
+    ffn, heads = width.axes["ffn"], width.axes["heads"]
+    assert ffn.scores[1][5] == 0 and ffn.removed(47)[1] == [5]
+    assert heads.scores[2][1] == 0 and heads.removed(1)[2] == [1]
+    assert all(bool((s[torch.arange(s.numel()) != 5] > 0).all()) for s in ffn.scores[1:2])
+
+
+def test_padding_does_not_count():
+    model = shrink_models.build("llama")
+    batches = shrink_models.batches("llama", n=1)
+    width = Width(model, batches[0])
+    width.score(batches)
+    before = [s.clone() for s in width.axes["hidden"].scores]
+    padded = {"input_ids": torch.cat([batches[0]["input_ids"], torch.randint(0, 64, (2, 3))], 1),
+              "attention_mask": torch.cat([batches[0]["attention_mask"], torch.zeros(2, 3, dtype=torch.long)], 1)}
+    width.score([padded])
+    torch.testing.assert_close(width.axes["hidden"].scores[0], before[0], rtol=1e-6, atol=1e-9)
+
+
+def test_bad_keep_counts_name_the_axis():
+    model = shrink_models.build("llama")
+    width = Width(model, shrink_models.batches("llama")[0])
+    with pytest.raises(ValueError, match="call Width.score first"):
+        width.decisions({"ffn": 10})
+    width.score(shrink_models.batches("llama", n=1))
+    with pytest.raises(ValueError, match="heads keeps 0 of 2 units; keep between 1 and 2"):
+        width.decisions({"heads": 0})
+    with pytest.raises(ValueError, match=r"has no width axis 'experts'; its axes are \['ffn', 'heads', 'hidden'\]"):
+        width.decisions({"experts": 1})
