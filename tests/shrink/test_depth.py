@@ -316,3 +316,96 @@ def test_an_interrupt_while_renumbering_layer_idx_leaves_the_model_as_it_was(mon
 
     monkeypatch.setattr(modeling_llama.LlamaAttention, "__setattr__", interrupted, raising=False)
     check_unchanged_after(model, batch, before, out, KeyboardInterrupt, lambda: remove_layers(model, [0, 1]))
+
+
+# ------------------------------------------------------------------ per-layer config rules
+def remove_and_round_trip(model, family, indices, tmp_path):
+    """Remove ``indices``; the output equals the skip emulation, before and after save/from_pretrained."""
+    batch = padded_batch(family)
+    with skipped_layers(model, indices):
+        skipped = shrink_models.output(model, batch)
+    remove_layers(model, indices)
+    assert torch.equal(shrink_models.output(model, batch), skipped)
+    loaded = reload(model, family, tmp_path)
+    assert torch.equal(shrink_models.output(loaded, batch), skipped)
+    return loaded
+
+
+def test_gemma2_layer_types_keep_the_kept_blocks_entries(tmp_path):
+    model = shrink_models.build("gemma2", sliding_window=4)
+    assert model.config.layer_types == ["sliding_attention", "full_attention"] * 2
+    loaded = remove_and_round_trip(model, "gemma2", [0], tmp_path)
+    assert loaded.config.layer_types == ["full_attention", "sliding_attention", "full_attention"]
+    assert [b.self_attn.sliding_window for b in loaded.model.layers] == [None, 4, None]
+
+
+def test_qwen2_max_window_layers_counts_the_kept_full_attention_blocks(tmp_path):
+    model = shrink_models.build("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    assert model.config.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
+    loaded = remove_and_round_trip(model, "qwen2", [1, 2], tmp_path)
+    assert loaded.config.layer_types == ["full_attention", "sliding_attention"]
+    assert loaded.config.max_window_layers == 1
+    fields = {k: v for k, v in loaded.config.to_dict().items() if k != "layer_types"}
+    assert transformers.Qwen2Config(**fields).layer_types == loaded.config.layer_types  # the threshold agrees
+    unchanged = shrink_models.build("qwen2")  # 28 >= 4 blocks: every block is below it, before and after
+    remove_layers(unchanged, [0])
+    assert unchanged.config.max_window_layers == 28
+
+
+def sparse_blocks(model):
+    return [type(b.mlp).__name__.endswith("SparseMoeBlock") for b in model.model.layers]
+
+
+def test_qwen_moe_sparse_step_stays_when_it_still_holds(tmp_path):
+    model = shrink_models.build("qwen2_moe", decoder_sparse_step=2)
+    assert sparse_blocks(model) == [False, True, False, True]
+    loaded = remove_and_round_trip(model, "qwen2_moe", [1, 2], tmp_path)
+    assert (loaded.config.decoder_sparse_step, loaded.config.mlp_only_layers) == (2, [])
+    assert sparse_blocks(loaded) == [False, True]
+
+
+def test_qwen_moe_sparse_step_becomes_one_with_the_dense_blocks_listed(tmp_path):
+    model = shrink_models.build("qwen2_moe", decoder_sparse_step=2)
+    loaded = remove_and_round_trip(model, "qwen2_moe", [0], tmp_path)
+    assert (loaded.config.decoder_sparse_step, loaded.config.mlp_only_layers) == (1, [1])
+    assert sparse_blocks(loaded) == [True, False, True]
+
+
+def test_qwen_moe_mlp_only_layers_are_renumbered(tmp_path):
+    model = shrink_models.build("qwen3_moe", mlp_only_layers=[0, 2])
+    loaded = remove_and_round_trip(model, "qwen3_moe", [0, 1], tmp_path)
+    assert (loaded.config.decoder_sparse_step, loaded.config.mlp_only_layers) == (1, [0])
+    assert sparse_blocks(loaded) == [False, True]
+
+
+def test_gpt2_inverse_layer_scaling_allows_only_removing_the_last_blocks(tmp_path):
+    model = shrink_models.build("gpt2", scale_attn_by_inverse_layer_idx=True)
+    batch = shrink_models.batches("gpt2", n=1)[0]
+    before, out = snapshot(model), shrink_models.output(model, batch)
+    with pytest.raises(ValueError, match=r"renumbers blocks \{3: 1\} \(old -> new\).*remove only the last blocks of "
+                                         r"transformer.h"):
+        remove_layers(model, [1, 2])
+    assert snapshot(model) == before and torch.equal(shrink_models.output(model, batch), out)
+    remove_and_round_trip(model, "gpt2", [2, 3], tmp_path)
+
+
+def test_distilbert_keeps_its_block_count_attribute_in_step():
+    model = shrink_models.build("distilbert")
+    remove_layers(model, [0, 3])
+    assert model.transformer.n_layers == 2 == model.config.n_layers
+
+
+def test_config_lists_it_cannot_keep_consistent_are_refused():
+    model = shrink_models.build("gemma2")
+    model.config.layer_types = model.config.layer_types[:3]
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"config.layer_types has 3 entries for the 4 blocks of model.layers; make "
+                                         "it one entry per block"):
+        remove_layers(model, [1])
+    assert snapshot(model) == before
+    model = shrink_models.build("llama")
+    model.config.shared_layers = [0, 2]
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"config.shared_layers = \[0, 2\] may describe blocks one by one"):
+        remove_layers(model, [1])
+    assert snapshot(model) == before
