@@ -128,7 +128,9 @@ def skipped_layers(model: nn.Module, indices: Iterable[int]) -> Iterator[nn.Modu
     A forward hook on each named block replaces its output hidden state (a tensor, or the first item
     of a tuple; other items are kept) by its input. The output equals, bit for bit, that of the model
     after :func:`remove_layers` of the same indices: the kept blocks see the same inputs and run the
-    same operations. Hooks are removed however the block ends. Yields the model.
+    same operations. Hooks are removed however the block ends. Yields the model. Indices are
+    checked as :func:`remove_layers` checks them; a removal its config cannot express (see the
+    module docstring) is refused only by :func:`remove_layers`, so scores stay available for it.
 
     Examples:
         >>> import torch, transformers
