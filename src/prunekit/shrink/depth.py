@@ -39,7 +39,7 @@ import contextlib
 import logging
 import operator
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, Iterator, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -358,7 +358,7 @@ def _owner(model: nn.Module, name: str) -> nn.Module:
     return model.get_submodule(name.rpartition(".")[0]) if "." in name else model
 
 
-def remove_layers(model: nn.Module, indices: Iterable[int]) -> None:
+def remove_layers(model: nn.Module, indices: Iterable[int], *, journal: Optional[Transaction] = None) -> None:
     """Remove whole blocks ``indices`` from a Hugging Face model, in place; the config follows.
 
     The block list shrinks, the config's layer count and per-layer settings follow the kept blocks,
@@ -366,7 +366,8 @@ def remove_layers(model: nn.Module, indices: Iterable[int]) -> None:
     in this module's docstring). The model's output equals that under :func:`skipped_layers` of the
     same indices, and ``save_pretrained`` / ``from_pretrained`` give it back. Bad indices (not ints,
     out of range, repeated, all blocks) and removals the config cannot express raise before anything
-    changes; any failure -- ``KeyboardInterrupt`` included -- leaves the model as it was.
+    changes; any failure -- ``KeyboardInterrupt`` included -- leaves the model as it was. With
+    ``journal``, the changes are recorded there (a larger change that fails later undoes them too).
 
     Examples:
         >>> import torch, transformers
@@ -387,7 +388,7 @@ def remove_layers(model: nn.Module, indices: Iterable[int]) -> None:
     updates = _config_updates(model, name, n, kept, what)
     owner = _owner(model, name)
     modules = [blocks[i] for i in kept]
-    with atomic() as txn:
+    with atomic(journal) as txn:
         txn.module(blocks)
         blocks._modules.clear()
         blocks._modules.update(OrderedDict((str(j), m) for j, m in enumerate(modules)))
