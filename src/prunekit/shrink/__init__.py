@@ -5,6 +5,10 @@ layers) are removed by importance measured on calibration batches; the result is
 plain Hugging Face model whose config describes its new shapes.
 """
 
+from .experts import (ExpertImportance, dropped_experts, expert_ffn_importance, expert_importance, keep_top,
+                      moe_layers, remove_experts, shrink_expert_ffn)
 from .families import FAMILIES, ShrinkFamily, family_of, layer_list
 
-__all__ = ["FAMILIES", "ShrinkFamily", "family_of", "layer_list"]
+__all__ = ["FAMILIES", "ShrinkFamily", "family_of", "layer_list",
+           "ExpertImportance", "dropped_experts", "expert_ffn_importance", "expert_importance", "keep_top",
+           "moe_layers", "remove_experts", "shrink_expert_ffn"]
