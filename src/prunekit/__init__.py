@@ -96,7 +96,7 @@ _LAZY = {
     "plot_accuracy_vs_sparsity": ".report",
 }
 _SUBMODULES = {"compact", "training", "sparse", "kernels", "reparam", "report", "demo", "cli", "importance", "io",
-               "oneshot", "fusion"}
+               "oneshot", "fusion", "shrink"}
 
 
 def __getattr__(name: str) -> Any:
@@ -145,6 +145,7 @@ __all__ = [
     "remove_all",
     "restore_masks",
     "save_pretrained",
+    "shrink",
     "validate_pruning_amount",
     "validate_pruning_amount_init",
 ] + sorted(_LAZY)

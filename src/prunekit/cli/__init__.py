@@ -1,6 +1,6 @@
 """The ``prunekit`` command (also ``python -m prunekit``).
 
-Subcommands: ``demo``, ``inspect``, ``prune``, ``compact``, ``sparsify``; each has
+Subcommands: ``demo``, ``inspect``, ``prune``, ``compact``, ``sparsify``, ``oneshot``, ``shrink``; each has
 ``--help`` with examples and ``--json`` for machine-readable output. Exit codes:
 0 success, 1 failure while working, 2 bad arguments (missing file, unknown
 method, amount outside [0, 1], a pickle without ``--trust-pickle``), 130
@@ -35,6 +35,7 @@ examples:
   prunekit compact --model mypkg.nets:make_cnn --weights cnn.pt --input-shape 1,3,32,32 \\
                  --amount 0.5 --out cnn-small.pt
   prunekit sparsify --model mypkg.nets:make_cnn --weights cnn-90.safetensors --input-shape 8,3,32,32
+  prunekit shrink --model llama-folder --calibration texts.txt --target 0.5 --out llama-half
 
 exit codes: 0 ok, 1 failed while working, 2 bad arguments.
 """
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         >>> args.command, args.checkpoint, args.json, args.debug
         ('inspect', 'model.safetensors', True, False)
     """
-    from . import _compact, _demo, _inspect, _oneshot, _prune, _sparsify
+    from . import _compact, _demo, _inspect, _oneshot, _prune, _shrink, _sparsify
 
     parser = Parser(
         prog="prunekit",
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for mod in (_demo, _inspect, _prune, _compact, _sparsify, _oneshot):
+    for mod in (_demo, _inspect, _prune, _compact, _sparsify, _oneshot, _shrink):
         mod.add_parser(sub)
     return parser
 

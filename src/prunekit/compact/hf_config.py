@@ -149,6 +149,8 @@ def updated_config(model: nn.Module) -> Tuple[Optional[Any], str]:
     changes: Dict[str, int] = {family.ffn_key: ffn}
     if new_hidden != hidden:
         changes[family.hidden_key] = new_hidden
+        if family.head_dim_key is not None:  # a config without it derives the head size from the hidden size
+            changes[family.head_dim_key] = head_dim
         changes.update({k: new_hidden for k in _HIDDEN_ALIASES if getattr(config, k, None) == hidden})
     old_heads = getattr(config, family.heads_key)
     if n_heads != old_heads or (family.kv_heads_key and kv_heads != getattr(config, family.kv_heads_key, kv_heads)):

@@ -18,9 +18,7 @@ Examples:
     (True, True)
 """
 
-import sys
-import types
-
+from .._callable import make_callable
 from .api import METHODS, PRUNEKIT_DEFAULTS, oneshot, parse_pattern
 from .blocks import BlockInput, capture_block_inputs, find_blocks, on_device, run_block
 from .layers import Target, find_targets
@@ -48,12 +46,4 @@ __all__ = [
 ]
 
 
-class _CallableModule(types.ModuleType):
-    """``prunekit.oneshot`` the package, callable as ``prunekit.oneshot(...)`` the function."""
-
-    def __call__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        return oneshot(*args, **kwargs)
-
-
-_CallableModule.__call__.__doc__ = oneshot.__doc__
-sys.modules[__name__].__class__ = _CallableModule
+make_callable(__name__, oneshot)

@@ -87,6 +87,7 @@ def grid_candidates(
     grid: Optional[Dict[str, Sequence[float]]] = None,
     steps: Optional[Dict[str, int]] = None,
     link: Optional[Callable[[Dict[str, int]], Dict[str, int]]] = None,
+    least: Optional[Dict[str, int]] = None,
     blocks_only: bool = False,
     slack: float = 0.05,
 ) -> List[Candidate]:
@@ -97,7 +98,8 @@ def grid_candidates(
 
     ``block_order`` lists the blocks least important first (a candidate keeping ``k`` blocks drops
     the first ``n - k``); ``steps[axis]`` makes that axis's sizes multiples of it; ``link`` derives
-    sizes that follow others (e.g. heads from the hidden size where the config ties them).
+    sizes that follow others (e.g. heads from the hidden size where the config ties them); ``least[axis]``
+    is the fewest units an axis may keep (a router's ``top_k`` experts).
 
     Examples:
         >>> import torch, transformers
@@ -121,6 +123,7 @@ def grid_candidates(
     for a in free:
         units, step = sizes.units[a], steps.get(a, 1)
         values = sorted({_keep(units, f, step) for f in grid.get(a, FRACTIONS) if 0 < f <= 1}, reverse=True)
+        values = [v for v in values if v >= (least or {}).get(a, 1)]
         choices.append(values)
     measure = sizes.params if target.measure == "params" else sizes.macs
     n_blocks = sizes.n_blocks

@@ -1,0 +1,294 @@
+"""``prunekit.shrink``: a Hugging Face model made smaller and dense, to a size target, from calibration data.
+
+The steps (NVIDIA's Minitron recipe, without the training):
+
+1. measure importance on the calibration batches: hidden channels, heads and FFN neurons by their
+   activations (:mod:`~prunekit.shrink.width`), blocks by their influence on the residual stream
+   or by the loss without them (:mod:`~prunekit.shrink.depth`), routed experts by their routed
+   output (:mod:`~prunekit.shrink.experts`);
+2. list the candidate mixes of sizes that meet the target (:mod:`~prunekit.shrink.search`) and
+   score each on the calibration objective with the model *running as if* it had that size
+   (forward hooks: nothing is copied or changed);
+3. remove the best candidate's units and blocks for real, update the config, and check that the
+   smaller model computes what its emulation computed.
+
+The model is changed in place; all or nothing (on any failure, ``KeyboardInterrupt`` included,
+it is left exactly as it was). Keep the dense model (load it again) to distill from it:
+:func:`prunekit.shrink.distill`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from ..compact.hf_config import FAMILIES as CONFIG_FAMILIES
+from ..compact.hf_config import updated_config
+from ..compact.journal import Journal
+from ..transaction import atomic
+from . import depth, experts
+from .calibration import Objective, as_batches, forward, output_vectors
+from .families import family_of
+from .search import Candidate, Target, grid_candidates
+from .sizes import EXPERT_FFN, EXPERTS, LAYERS, SizeModel
+from .width import FFN, HEADS, HIDDEN, Width
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ShrinkReport", "shrink"]
+
+
+@dataclass
+class ShrinkReport:
+    """What :func:`shrink` did: the candidates it scored, the one it chose, and the model after."""
+
+    model_type: str
+    target: Target
+    objective: str  # "loss" (next-token cross-entropy) or "cosine" (1 - cosine to the dense outputs)
+    dense: Candidate  # the full sizes, with the dense model's score
+    chosen: Candidate
+    candidates: List[Candidate] = field(default_factory=list)  # every candidate scored, best first
+    removed_layers: List[int] = field(default_factory=list)
+    params: int = 0  # parameters of the shrunk model
+    score: float = math.nan  # the objective measured on the shrunk model
+    seconds: float = 0.0
+
+    def __repr__(self) -> str:
+        changed = ", ".join(f"{k} {self.dense.sizes[k]}->{v}" for k, v in sorted(self.chosen.sizes.items())
+                            if v != self.dense.sizes.get(k))
+        return (f"ShrinkReport({self.model_type}: {self.dense.params:,} -> {self.params:,} params "
+                f"({self.params / max(self.dense.params, 1):.1%}); {changed or 'nothing removed'}; {self.objective} "
+                f"{self.dense.score:.4g} -> {self.score:.4g}; {len(self.candidates)} candidates, {self.seconds:.1f} s)")
+
+
+def _steps(units: Dict[str, int], round_to: Optional[int]) -> Dict[str, int]:
+    """Multiples the hidden and FFN sizes are rounded to (by default 64 from 1024 units, 8 from 128)."""
+    out = {}
+    for axis in (HIDDEN, FFN, EXPERT_FFN):
+        n = units.get(axis)
+        if n is not None:
+            step = round_to if round_to is not None else 64 if n >= 1024 else 8 if n >= 128 else 1
+            out[axis] = min(step, n)
+    return out
+
+
+def _axes(width: Width, sizes: SizeModel, model_type: str, axes: Optional[Sequence[str]]) -> Tuple[List[str], Any]:
+    """The axes searched, and the rule deriving sizes that follow others (heads from the hidden size)."""
+    known = [a for a in (HIDDEN, HEADS, FFN) if a in width.axes] + [LAYERS]
+    if EXPERTS in sizes.units:
+        known.append(EXPERTS)
+    chosen = list(known) if axes is None else list(axes)
+    bad = [a for a in chosen if a not in known + [EXPERT_FFN] or a not in sizes.units]
+    if bad:
+        extra = sorted(set(width.axes) - set(known))
+        raise ValueError(f"prunekit.shrink: {type(width.model).__name__} has no axis {bad[0]!r} that shrink can write to "
+                         f"its config; its axes are {known}" + (f" ({extra} cannot be set in its config)" if extra else ""))
+    family = CONFIG_FAMILIES.get(model_type)
+    tied = family is not None and family.head_dim_key is None and HEADS in width.axes
+    link = None
+    if tied and HEADS in chosen:
+        if HIDDEN not in chosen and axes is None:  # by default: the heads stay with the hidden size
+            chosen.remove(HEADS)
+        elif HIDDEN not in chosen:
+            raise ValueError(f"prunekit.shrink: {model_type}'s config derives the head size from the hidden size, so its "
+                             "heads can only be pruned with the hidden size (heads x head size = hidden size); add "
+                             "'hidden' to axes or leave 'heads' out")
+        else:
+            chosen.remove(HEADS)
+    if tied and HIDDEN in chosen:
+        head = width.axes[HEADS].unit_width
+        hidden_unit = width.axes[HIDDEN].unit_width
+
+        def link(s: Dict[str, int]) -> Dict[str, int]:
+            return dict(s, **{HEADS: max(1, s[HIDDEN] * hidden_unit // head)})
+    return chosen, link
+
+
+class _Plan:
+    """Everything measured on the dense model that candidates are scored and applied with."""
+
+    def __init__(self, model: nn.Module, batches: List[Any], depth_importance: str) -> None:
+        self.model, self.batches = model, batches
+        self.objective = Objective(model, batches)
+        self.width = Width(model, batches[0])
+        self.width.score(batches)
+        self.sizes = SizeModel(model, self.width)
+        if depth_importance == "influence":
+            ranks = depth.block_influence(model, batches)
+        elif depth_importance == "loss":
+            ranks = depth.layer_loss_importance(model, batches)
+        else:
+            raise ValueError(f"prunekit.shrink: depth_importance must be 'influence' or 'loss', got {depth_importance!r}")
+        self.block_order = torch.argsort(ranks.double(), stable=True).tolist()  # least important first
+        self.expert_scores = experts.expert_importance(model, batches) if EXPERTS in self.sizes.units else {}
+
+    def removed_blocks(self, sizes: Dict[str, int]) -> List[int]:
+        n = self.sizes.n_blocks
+        return sorted(self.block_order[: n - sizes.get(LAYERS, n)])
+
+    @contextlib.contextmanager
+    def emulated(self, sizes: Dict[str, int]):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.width.emulated({a: n for a, n in sizes.items() if a in self.width.axes}))
+            if EXPERTS in sizes and sizes[EXPERTS] != self.sizes.units[EXPERTS]:
+                stack.enter_context(experts.dropped_experts(self.model, experts.keep_top(self.expert_scores, sizes[EXPERTS])))
+            removed = self.removed_blocks(sizes)
+            if removed:
+                stack.enter_context(depth.skipped_layers(self.model, removed))
+            yield
+
+    def score(self, candidate: Candidate) -> float:
+        with self.emulated(candidate.sizes):
+            return self.objective(self.model)
+
+    def apply(self, sizes: Dict[str, int], journal: Journal) -> None:
+        width_keep = {a: n for a, n in sizes.items() if a in self.width.axes}
+        if any(n != self.width.axes[a].units for a, n in width_keep.items()):
+            self.width.apply(width_keep, journal)
+            _update_config(self.model, journal)
+        if EXPERTS in sizes and sizes[EXPERTS] != self.sizes.units[EXPERTS]:
+            experts.remove_experts(self.model, experts.keep_top(self.expert_scores, sizes[EXPERTS]), journal=journal)
+        removed = self.removed_blocks(sizes)
+        if removed:
+            depth.remove_layers(self.model, removed, journal=journal)
+
+
+def _update_config(model: nn.Module, journal: Journal) -> None:
+    """Give the model (and every submodule holding the same config) a config of its new shapes."""
+    old = model.config
+    new, reason = updated_config(model)
+    if new is None:
+        raise ValueError(f"prunekit.shrink: the shrunk {old.model_type} model's config cannot say its new shapes "
+                         f"({reason}); choose other axes")
+    for m in model.modules():
+        if getattr(m, "config", None) is old:
+            journal.module(m)
+            m.config = new
+
+
+def _check(model: nn.Module, batch: Any, expected: Tensor) -> None:
+    got = output_vectors(forward(model, batch))
+    err = float((got.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-30))
+    if got.shape != expected.shape or not err <= 1e-3:
+        raise ValueError(f"prunekit.shrink: the shrunk model computes {err:.3g} (relative) away from the emulation it "
+                         "was chosen by; the model is left unchanged (please report this with the model's config)")
+
+
+def shrink(
+    model: nn.Module,
+    calibration: Iterable[Any],
+    target: Union[int, float] = 0.5,
+    *,
+    measure: str = "params",
+    scope: str = "model",
+    axes: Optional[Sequence[str]] = None,
+    sizes: Optional[Dict[str, int]] = None,
+    grid: Optional[Dict[str, Sequence[float]]] = None,
+    round_to: Optional[int] = None,
+    depth_importance: str = "influence",
+    max_candidates: int = 64,
+) -> ShrinkReport:
+    """Make a Hugging Face model smaller and dense, in place: the best mix of width and depth for ``target``.
+
+    Args:
+        model: a transformers model of a family in :data:`prunekit.shrink.FAMILIES`.
+        calibration: batches the model accepts (dicts of ``input_ids``/``attention_mask``, or
+            ``pixel_values`` ...); padding (``attention_mask == 0``) is left out of every statistic.
+        target: a fraction in (0, 1) of the dense model's ``measure`` to keep, or an int count.
+        measure: ``"params"`` or ``"macs"`` (per-token MACs of the matrix products).
+        scope: ``"model"`` counts every parameter; ``"blocks"`` only the transformer blocks'
+            (embeddings and heads left out of the target).
+        axes: what may shrink, among ``"hidden"``, ``"heads"``, ``"ffn"``, ``"layers"``, ``"experts"``
+            (default: all the model has).
+        sizes: skip the search and shrink to these sizes (units kept per axis; ``"layers"``: blocks).
+        grid: fractions of each axis's units the search tries (default
+            :data:`~prunekit.shrink.search.FRACTIONS`).
+        round_to: hidden and FFN sizes are multiples of it (default 64 from 1024 units, 8 from 128).
+        depth_importance: ``"influence"`` (1 - cosine between a block's input and output) or
+            ``"loss"`` (the objective with that block skipped).
+        max_candidates: the most candidates scored (an even spread of the grid's when it has more).
+
+    The hidden size is approximate by design: a RMSNorm/LayerNorm over fewer channels is not
+    the same function. Everything else (heads, FFN neurons, whole blocks, experts) removes exactly
+    what its emulation removed. Raises ``ValueError`` for an unknown family, an axis the config
+    cannot say, a target no candidate meets, or empty calibration -- the model unchanged.
+
+    Examples:
+        >>> import torch, transformers
+        >>> cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+        ...                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+        >>> torch.manual_seed(0); model = transformers.LlamaForCausalLM(cfg).eval()
+        <torch._C.Generator object at ...>
+        >>> batches = [{"input_ids": torch.randint(0, 64, (2, 16))} for _ in range(2)]
+        >>> report = shrink(model, batches, target=0.6, axes=["ffn", "layers"])
+        >>> report.params <= 0.6 * report.dense.params, model.config.num_hidden_layers <= 4
+        (True, True)
+    """
+    started = time.perf_counter()
+    model_type, _ = family_of(model)
+    batches = as_batches(calibration)
+    if scope not in ("model", "blocks"):
+        raise ValueError(f"prunekit.shrink: scope must be 'model' or 'blocks', got {scope!r}")
+    if isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or max_candidates < 1:
+        raise ValueError(f"prunekit.shrink: max_candidates must be an int >= 1, got {max_candidates!r}")
+    plan = _Plan(model, batches, depth_importance)
+    sm, blocks_only = plan.sizes, scope == "blocks"
+    count = sm.params if measure == "params" else sm.macs
+    goal = Target.parse(target, measure, count({}, blocks_only=blocks_only))
+    full = dict(sm.units)
+    dense = Candidate(full, sm.params({}), sm.macs({}), plan.objective(model))
+    if sizes is not None:
+        found = [_explicit(sm, plan, sizes, full)]
+    else:
+        chosen_axes, link = _axes(plan.width, sm, model_type, axes)
+        steps = _steps(full, round_to)
+        if link is not None:  # the hidden size stays a whole number of heads
+            head = plan.width.axes[HEADS].unit_width
+            steps[HIDDEN] = steps.get(HIDDEN, 1) * head // math.gcd(steps.get(HIDDEN, 1), head)
+        least = {EXPERTS: sm.top_k} if sm.top_k else {}  # a router picks top_k experts per token
+        found = grid_candidates(sm, chosen_axes, goal, plan.block_order, grid=grid, steps=steps, link=link,
+                                least=least, blocks_only=blocks_only)
+        if not found:
+            raise ValueError(f"prunekit.shrink: no mix of {chosen_axes} brings {model_type} to {goal.limit:,} {measure} "
+                             f"(dense {goal.dense:,}); allow more axes, a finer grid, or a larger target")
+        if len(found) > max_candidates:
+            stride = len(found) / max_candidates
+            found = [found[int(i * stride)] for i in range(max_candidates)]
+    for c in found:
+        c.sizes = dict(full, **c.sizes)
+        c.score = plan.score(c)
+        logger.info("shrink: %r", c)
+    found.sort(key=lambda c: (c.score, -c.params))
+    best = found[0]
+    with plan.emulated(best.sizes):
+        expected = output_vectors(forward(model, batches[0]))
+    removed = plan.removed_blocks(best.sizes)
+    with atomic(Journal()) as journal:
+        plan.apply(best.sizes, journal)
+        _check(model, batches[0], expected)
+        report = ShrinkReport(model_type, goal, plan.objective.kind, dense, best, found, removed,
+                              sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+                              plan.objective(model), time.perf_counter() - started)
+        logger.info("shrink: %r", report)
+        return report
+
+
+def _explicit(sm: SizeModel, plan: _Plan, sizes: Dict[str, int], full: Dict[str, int]) -> Candidate:
+    if not isinstance(sizes, dict):
+        raise TypeError(f"prunekit.shrink: sizes must be a dict of axis -> units kept, got {type(sizes).__name__}")
+    for axis, n in sizes.items():
+        if axis not in full:
+            raise ValueError(f"prunekit.shrink: sizes names {axis!r}, which this model does not have; its axes are "
+                             f"{sorted(full)}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= full[axis]:
+            raise ValueError(f"prunekit.shrink: sizes[{axis!r}]={n!r}; keep an int between 1 and {full[axis]}")
+    s = dict(full, **sizes)
+    blocks = [b for b in range(sm.n_blocks) if b not in plan.removed_blocks(s)]
+    return Candidate(s, sm.params(s, blocks), sm.macs(s, blocks))
