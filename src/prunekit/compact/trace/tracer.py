@@ -3,7 +3,7 @@
 Handled modules (see :mod:`prunekit.compact.handlers`) are leaves: after each one ran,
 its handler binds its inputs to its slots and labels its outputs. Every torch function
 *between* leaves goes through a ``TorchFunctionMode`` to the rules of
-:mod:`prunekit.compact.rules`, which move the labels the way the op moves elements.
+:mod:`prunekit.compact.trace.rules`, which move the labels the way the op moves elements.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from torch.nn.modules import module as global_module_hooks
 from torch.overrides import TorchFunctionMode
 
 from . import shadows as lbl
-from .consts import ConstMap, from_slot, lookup
-from .errors import TraceError
-from .journal import run_then_clean
+from ..proofs.constants import ConstMap, from_slot, lookup
+from ..errors import TraceError
+from ...transaction import run_then_clean
 from .inputs import flatten_output, split_inputs
 from .ops import op_name, tensors_in
 from .results import SlotInfo
@@ -125,7 +125,7 @@ class Tracer(OpRules):
         return entry
 
     def consts_of(self, t: Any) -> Optional[ConstMap]:
-        """What is known constant about ``t``'s channels (see :mod:`prunekit.compact.consts`)."""
+        """What is known constant about ``t``'s channels (see :mod:`prunekit.compact.proofs.constants`)."""
         if not self.consts or not isinstance(t, Tensor):
             return None
         entry = self.consts.get(id(t))

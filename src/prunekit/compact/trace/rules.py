@@ -1,6 +1,6 @@
 """How each kind of torch operation moves channel labels (the tracer's op rules).
 
-:meth:`OpRules.on_op` looks an operation up in :mod:`prunekit.compact.ops` and applies
+:meth:`OpRules.on_op` looks an operation up in :mod:`prunekit.compact.trace.ops` and applies
 the rule of its table to the shadows of its inputs. A rule that meets a call it cannot
 prove safe blocks the channels involved, with a reason naming the op and the module.
 """
@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from . import shadows as lbl
-from .consts import ConstMap, apply_pointwise, by_label, keep_zeros, lookup, merge
-from .errors import TraceError
+from ..proofs.constants import ConstMap, apply_pointwise, by_label, keep_zeros, lookup, merge
+from ..errors import TraceError
 from .ops import base_name
 from .ops import CAT, HARMLESS_MUTATORS, MATMUL, MULTI, POINTWISE, POOL, REDUCE, SAME, SAME_LABELS, SHAPE, SOFTMAX, op_name, tensors_in
 
@@ -33,7 +33,7 @@ __all__ = ["OpRules"]
 
 
 class OpRules:
-    """The op rules, mixed into :class:`~prunekit.compact.tracer.Tracer` (they use its shadows and union-find)."""
+    """The op rules, mixed into :class:`~prunekit.compact.trace.tracer.Tracer` (they use its shadows and union-find)."""
 
     # provided by Tracer
     shadows: Dict[int, Tuple[Any, Tensor, Tensor]]
@@ -103,7 +103,7 @@ class OpRules:
             logger.debug("shadow rule for %s failed: %s", name, exc)
             self._unknown(name, ins, outs)
 
-    # ---- constants (mask propagation): see prunekit.compact.consts
+    # ---- constants (mask propagation): see prunekit.compact.proofs.constants
     def _propagate_consts(self, base: str, name: str, func: Any, args: tuple, kwargs: dict, out: Any, outs: List[Tensor]) -> None:
         known = [cm for cm in map(self.consts_of, tensors_in((args, kwargs))) if cm is not None]
         if not known or not outs:
