@@ -10,7 +10,7 @@ from torch import nn
 
 import prunekit
 from prunekit import methods, reparam
-from prunekit.compact.journal import Journal
+from prunekit.compact.surgery.journal import Journal
 from prunekit.training._undo import UndoLog
 from prunekit.transaction import ModuleState, Transaction, atomic
 

@@ -472,7 +472,7 @@ def test_rebuild_with_an_unknown_module_leaves_the_model_unchanged():
 
 def test_handler_interface_is_checked_at_registration():
     from prunekit.compact import TracerAPI
-    from prunekit.compact.tracer import Tracer
+    from prunekit.compact.trace.tracer import Tracer
 
     class Half(ModuleHandler):
         def slots(self, m):

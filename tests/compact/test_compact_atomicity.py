@@ -18,7 +18,7 @@ from torch import nn
 import prunekit
 from prunekit.compact import CompactionError, build_dependency_graph, compact, prune_groups
 from prunekit import reparam
-from prunekit.compact import surgery
+from prunekit.compact.surgery import shrink as surgery
 from compact_models import EncoderBlock, ResNetLike
 
 

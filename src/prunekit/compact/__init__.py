@@ -7,6 +7,11 @@
   description that rebuilds the compacted model from the original model class;
 * :func:`register_handler` -- teach it a new layer type.
 
+Sub-packages by concept, each importing only from those below it: :mod:`.selection`
+(choosing units and writing masks), :mod:`.surgery` (changing modules, undoably),
+:mod:`.trace` (the traced run and its groups), :mod:`.handlers` (one per layer type),
+:mod:`.proofs` (proved constants and dead units).
+
 Examples:
     >>> import torch
     >>> from torch import nn
@@ -28,13 +33,13 @@ from .compact import (
     zero_units,
 )
 from .errors import CompactionError, TraceError
-from .graph import DependencyGraph, Group, Unit, build_dependency_graph
 from .handlers import REGISTRY, Entry, HandlerRegistry, ModuleHandler, Slot, TracerAPI, register_handler
-from .importance import group_importance
 from .macs import count_macs, count_params
 from .modules import PrunedMultiheadAttention
-from .prune import GroupDecision, prune_groups
 from .reconstruct import CalibrationReport, prune_with_calibration
+from .selection.importance import group_importance
+from .selection.prune import GroupDecision, prune_groups
+from .trace.graph import DependencyGraph, Group, Unit, build_dependency_graph
 
 __all__ = [
     "CalibrationReport",

@@ -23,16 +23,16 @@ from torch import Tensor, nn
 from .._backend import require_torch
 from .. import reparam
 from . import weights
-from .dead import Fold, NonZero, dead_units, zero_units
+from .proofs.dead import Fold, NonZero, dead_units, zero_units
 from .errors import CompactionError
 from .handlers import HandlerRegistry, ModuleHandler
-from .graph import DependencyGraph, Group, build_dependency_graph, check_graph, traced_dependency_graph
+from .trace.graph import DependencyGraph, Group, build_dependency_graph, check_graph, traced_dependency_graph
 from .hf_config import updated_config
-from .inputs import flatten_output, split_inputs
-from .journal import Journal, atomic, run_then_clean
-from .rebuild import apply_plan, check_state_dict, load_state, plan_rebuild
-from .ops import tensors_in
-from .surgery import shrink_module
+from .trace.inputs import flatten_output, split_inputs
+from .surgery.journal import Journal, atomic, run_then_clean
+from .surgery.rebuild import apply_plan, check_state_dict, load_state, plan_rebuild
+from .trace.ops import tensors_in
+from .surgery.shrink import shrink_module
 
 logger = logging.getLogger(__name__)
 
@@ -450,7 +450,7 @@ def rebuild_from_description(
     """Reshape a freshly built original model (in place) to a compacted model's shapes.
 
     The description is hostile input: every entry is checked against ``model`` first
-    (:func:`prunekit.compact.rebuild.plan_rebuild`: only the sizes compaction changes,
+    (:func:`prunekit.compact.surgery.rebuild.plan_rebuild`: only the sizes compaction changes,
     to values consistent with the new tensor shapes; only classes in
     :data:`prunekit.compact.modules.REPLACEMENTS` are instantiated, nothing is
     unpickled or imported by name), and nothing is allocated until all of it passed.

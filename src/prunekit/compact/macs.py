@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .inputs import split_inputs
+from .trace.inputs import split_inputs
 
 __all__ = ["count_macs", "count_params"]
 

@@ -32,12 +32,12 @@ from torch import Tensor, nn
 from .._backend import require_torch
 from ..importance import ActivationStats, get_scorer
 from . import weights
-from .graph import build_dependency_graph, check_graph
-from .importance import group_importance
-from .inputs import split_inputs
-from .journal import atomic, run_then_clean
-from .prune import GroupDecision, keep_count, write_masks
-from .results import DependencyGraph, Group
+from .trace.graph import build_dependency_graph, check_graph
+from .selection.importance import group_importance
+from .trace.inputs import split_inputs
+from .surgery.journal import atomic, run_then_clean
+from .selection.prune import GroupDecision, keep_count, write_masks
+from .trace.results import DependencyGraph, Group
 
 logger = logging.getLogger(__name__)
 

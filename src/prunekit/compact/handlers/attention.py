@@ -7,7 +7,7 @@ from typing import Any, Dict
 from torch import nn
 
 from .base import Entry, ModuleHandler, Slot, arg, first, has_tensor, register_handler
-from .constants import affine_row_values
+from ..proofs.constants import affine_row_values
 from .projection_attention import cache_is_fresh
 
 __all__ = ["BertSelfAttentionHandler", "MultiheadAttentionHandler"]

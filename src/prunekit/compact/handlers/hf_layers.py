@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Union
 from torch import nn
 
 from .base import ModuleHandler, Slot, TracerAPI, arg, entries, has_tensor, register_handler
-from .constants import Fold, affine_row_values
+from ..proofs.constants import Fold, affine_row_values
 
 __all__ = ["Conv1DHandler", "RMSNormHandler"]
 

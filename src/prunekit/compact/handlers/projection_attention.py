@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .base import Entry, ModuleHandler, Slot, TracerAPI, arg, first, has_tensor, register_handler
-from .constants import affine_row_values
+from ..proofs.constants import affine_row_values
 
 __all__ = ["Layout", "ProjectionAttentionHandler", "Proj", "cache_is_fresh", "layout_of"]
 

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from ..weights import maybe
 from .base import Entry, ModuleHandler, Slot, arg, entries, has_tensor, register_handler
-from .constants import affine_row_values, any_masked, scale_shift_values
+from ..proofs.constants import affine_row_values, any_masked, scale_shift_values
 
 __all__ = ["BatchNormHandler", "ConvHandler", "ConvTransposeHandler", "EmbeddingHandler", "GroupNormHandler", "LayerNormHandler", "LinearHandler"]
 

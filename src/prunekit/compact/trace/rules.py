@@ -1,21 +1,22 @@
 """How each kind of torch operation moves channel labels (the tracer's op rules).
 
-:meth:`OpRules.on_op` looks an operation up in :mod:`prunekit.compact.ops` and applies
-the rule of its table to the shadows of its inputs. A rule that meets a call it cannot
-prove safe blocks the channels involved, with a reason naming the op and the module.
+:meth:`OpRules.on_op` looks an operation up by name in :data:`RULES` (each op table of
+:mod:`prunekit.compact.trace.ops` mapped to its rule) and applies the rule to the shadows
+of its inputs. A rule that meets a call it cannot prove safe blocks the channels
+involved, with a reason naming the op and the module; an op in no table blocks them all.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from . import shadows as lbl
-from .consts import ConstMap, apply_pointwise, by_label, keep_zeros, lookup, merge
-from .errors import TraceError
+from ..proofs.constants import ConstMap, apply_pointwise, by_label, keep_zeros, lookup, merge
+from ..errors import TraceError
 from .ops import base_name
 from .ops import CAT, HARMLESS_MUTATORS, MATMUL, MULTI, POINTWISE, POOL, REDUCE, SAME, SAME_LABELS, SHAPE, SOFTMAX, op_name, tensors_in
 
@@ -29,11 +30,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OpRules"]
+__all__ = ["RULES", "OpRules", "Rule"]
 
 
 class OpRules:
-    """The op rules, mixed into :class:`~prunekit.compact.tracer.Tracer` (they use its shadows and union-find)."""
+    """The op rules, mixed into :class:`~prunekit.compact.trace.tracer.Tracer` (they use its shadows and union-find)."""
 
     # provided by Tracer
     shadows: Dict[int, Tuple[Any, Tensor, Tensor]]
@@ -43,6 +44,7 @@ class OpRules:
     consts: Dict[int, Any]
 
     def on_op(self, func: Any, args: tuple, kwargs: dict, out: Any, name: Optional[str] = None) -> None:
+        """Move the labels (and known constants) of ``func(*args, **kwargs)``'s inputs to its output ``out``."""
         if name is None:
             name = op_name(func)
         self.last_op = name
@@ -61,40 +63,19 @@ class OpRules:
         ins = [t for t in tensors_in((args, kwargs)) if self.shadow(t) is not None]
         if not ins:
             return
-        base = name[:-1] if name.endswith("_") and not name.endswith("__") else name
+        base = base_name(name)
         outs = tensors_in(out)
+        rule = RULES.get(base)
+        if rule is None and not outs and base not in HARMLESS_MUTATORS and not name.endswith("_") and name not in (
+            "__setitem__",
+            "copy_",
+        ):
+            return  # a query (size, dim, item, ...) on a channel tensor: harmless
         try:
-            if base in POINTWISE:
-                self._pointwise(name, args, kwargs, out)
-            elif base in SAME:
-                entry = self.entry_of(args[0]) if isinstance(args[0], Tensor) else None
-                if isinstance(out, Tensor) and entry is not None and out.shape == args[0].shape:
-                    self.set_shadow(out, entry[1], core=entry[2], labeled=True)
-            elif base in SHAPE:
-                self._shape(func, args, kwargs, out)
-            elif base in MULTI:
-                res = func(self.shadow(args[0]), *args[1:], **kwargs)
-                for o, s in zip(out, res):
-                    self.set_shadow(o, s)
-            elif base in CAT:
-                self._cat(func, args, kwargs, out)
-            elif base in SOFTMAX:
-                self._softmax(name, args, kwargs, out)
-            elif base in REDUCE:
-                self._reduce(name, args, kwargs, out)
-            elif base in POOL:
-                self._pool(name, args, out)
-            elif base in MATMUL:
-                self._matmul(name, args[0], args[1], out)
-            elif base == "scaled_dot_product_attention":
-                self._sdpa(args, kwargs, out)
-            elif not outs and base not in HARMLESS_MUTATORS and not name.endswith("_") and name not in (
-                "__setitem__",
-                "copy_",
-            ):
-                return  # a query (size, dim, item, ...) on a channel tensor: harmless
-            else:
+            if rule is None:
                 self._unknown(name, ins, outs)
+            else:
+                rule(self, func, name, args, kwargs, out)
             if self.consts:
                 self._propagate_consts(base, name, func, args, kwargs, out, outs)
         except TraceError:
@@ -103,7 +84,7 @@ class OpRules:
             logger.debug("shadow rule for %s failed: %s", name, exc)
             self._unknown(name, ins, outs)
 
-    # ---- constants (mask propagation): see prunekit.compact.consts
+    # ---- constants (mask propagation): see prunekit.compact.proofs.constants
     def _propagate_consts(self, base: str, name: str, func: Any, args: tuple, kwargs: dict, out: Any, outs: List[Tensor]) -> None:
         known = [cm for cm in map(self.consts_of, tensors_in((args, kwargs))) if cm is not None]
         if not known or not outs:
@@ -180,7 +161,8 @@ class OpRules:
             return s, a.shape
         return None, None
 
-    def _pointwise(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+    # ---- the rules (one per op table: see RULES below)
+    def _pointwise(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         if not isinstance(out, Tensor):
             return
         shape = out.shape
@@ -245,7 +227,19 @@ class OpRules:
         self.set_shadow(out, ea[1], core=ca, labeled=True)
         return True
 
-    def _shape(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    def _same(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        """dtype and device changes: the output has the input's labels."""
+        entry = self.entry_of(args[0]) if isinstance(args[0], Tensor) else None
+        if isinstance(out, Tensor) and entry is not None and out.shape == args[0].shape:
+            self.set_shadow(out, entry[1], core=entry[2], labeled=True)
+
+    def _multi(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        """split, chunk, unbind: each piece of the output is the same piece of the input's shadow."""
+        res = func(self.shadow(args[0]), *args[1:], **kwargs)
+        for o, s in zip(out, res):
+            self.set_shadow(o, s)
+
+    def _shape(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         if not isinstance(out, Tensor):
             return
         s_in = self.shadow(args[0])
@@ -271,7 +265,7 @@ class OpRules:
             return
         self.set_shadow(out, res)
 
-    def _cat(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    def _cat(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         seq = args[0]
         shadows = []
         for t in seq:
@@ -294,7 +288,7 @@ class OpRules:
             res = func(shadows, *args[1:], **kwargs)
         self.set_shadow(out, res)
 
-    def _softmax(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+    def _softmax(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         s = self.shadow(args[0])
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         if dim is None or not isinstance(out, Tensor):
@@ -305,7 +299,7 @@ class OpRules:
         else:
             self.set_shadow(out, s, canonical=True)
 
-    def _reduce(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+    def _reduce(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         s = self.shadow(args[0])
         dim = kwargs.get("dim", args[1] if len(args) > 1 and not isinstance(args[1], bool) else None)
         keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False)
@@ -332,7 +326,7 @@ class OpRules:
             for o in out[1:]:
                 self.set_shadow(o, None)
 
-    def _pool(self, name: str, args: tuple, out: Any) -> None:
+    def _pool(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         s = self.shadow(args[0])
         value = out[0] if isinstance(out, tuple) else out
         if s.dim() < 2:
@@ -377,7 +371,8 @@ class OpRules:
             self.uf.union_pairs(pairs)
         return sa, sb, va, vb
 
-    def _matmul(self, name: str, a: Any, b: Any, out: Any) -> None:
+    def _matmul(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        a, b = args[0], args[1]
         if name == "__rmatmul__":
             a, b = b, a
         if not (isinstance(a, Tensor) and isinstance(b, Tensor) and isinstance(out, Tensor)):
@@ -401,7 +396,7 @@ class OpRules:
             return cols.expand(out.shape)
         return None
 
-    def _sdpa(self, args: tuple, kwargs: dict, out: Any) -> None:
+    def _sdpa(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         names = ["query", "key", "value", "attn_mask"]
         vals = dict(zip(names, args))
         vals.update({k: v for k, v in kwargs.items() if k in names})
@@ -417,3 +412,33 @@ class OpRules:
             return
         cols = sv.narrow(-2, 0, 1)
         self.set_shadow(out, cols.expand(out.shape))
+
+
+#: A rule: how one op moves the labels of its inputs to its outputs (``rule(tracer, func, name, args,
+#: kwargs, out)``; ``name`` is the op's name as called, e.g. ``"add_"``).
+Rule = Callable[[OpRules, Any, str, tuple, dict, Any], None]
+
+
+def _table(*tables: Tuple[Iterable[str], Rule]) -> Dict[str, Rule]:
+    """One dict from op name to rule (an op named by two tables gets the first one's rule)."""
+    out: Dict[str, Rule] = {}
+    for names, rule in tables:
+        for n in names:
+            out.setdefault(n, rule)
+    return out
+
+
+#: op (out-of-place name, see :func:`~prunekit.compact.trace.ops.base_name`) -> its rule; an op in no
+#: table blocks the channels it touches (a query such as ``size`` that returns no tensor excepted)
+RULES: Dict[str, Rule] = _table(
+    (POINTWISE, OpRules._pointwise),
+    (SAME, OpRules._same),
+    (SHAPE, OpRules._shape),
+    (MULTI, OpRules._multi),
+    (CAT, OpRules._cat),
+    (SOFTMAX, OpRules._softmax),
+    (REDUCE, OpRules._reduce),
+    (POOL, OpRules._pool),
+    (MATMUL, OpRules._matmul),
+    (("scaled_dot_product_attention",), OpRules._sdpa),
+)

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .handlers.base import Entry, ModuleHandler, Slot
+    from ..handlers.base import Entry, ModuleHandler, Slot
 
 __all__ = ["DependencyGraph", "Group", "SlotInfo", "Unit"]
 

@@ -2,7 +2,7 @@
 
 Every torch function seen between handled modules is looked up by name (in-place
 variants such as ``add_`` by their out-of-place name) in one of these tables; the
-tracer's rule for that table (:mod:`prunekit.compact.rules`) updates the labels.
+tracer's rule for that table (:mod:`prunekit.compact.trace.rules`) updates the labels.
 An operation in no table blocks the channels it touches.
 """
 

@@ -13,9 +13,9 @@ from typing import Callable, Dict, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..importance import Scorer, UnitFunctionScorer, get_scorer, list_scorers
-from .. import reparam
-from .graph import DependencyGraph, Group
+from ...importance import Scorer, UnitFunctionScorer, get_scorer, list_scorers
+from ... import reparam
+from ..trace.graph import DependencyGraph, Group
 
 __all__ = ["group_importance", "IMPORTANCES", "as_group_scorer"]
 
@@ -29,7 +29,7 @@ def as_group_scorer(importance: Importance) -> Optional[Scorer]:
     """The scorer for ``importance`` (``None`` for ``"random"``, which draws one number per unit).
 
     Examples:
-        >>> from prunekit.compact.importance import as_group_scorer
+        >>> from prunekit.compact.selection.importance import as_group_scorer
         >>> as_group_scorer("taylor").name
         'snip'
     """

@@ -1,6 +1,6 @@
 """Module surgery: slice a module's tensors, update its attributes, or swap in a replacement.
 
-Every change is recorded in a :class:`~prunekit.compact.journal.Journal` first when
+Every change is recorded in a :class:`~prunekit.compact.surgery.journal.Journal` first when
 one is given, so a failure can put the model back exactly as it was.
 """
 
@@ -11,8 +11,8 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import Tensor, nn
 
-from .. import reparam
-from .handlers import ModuleHandler
+from ... import reparam
+from ..handlers import ModuleHandler
 from .journal import Journal
 
 __all__ = ["replace_tensor", "set_attr", "shrink_module", "slice_tensor"]

@@ -11,12 +11,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .._backend import require_torch
-from ..importance import Scorer
-from .. import reparam
-from .graph import DependencyGraph, Group, build_dependency_graph, check_graph
+from ..._backend import require_torch
+from ...importance import Scorer
+from ... import reparam
+from ..trace.graph import DependencyGraph, Group, build_dependency_graph, check_graph
 from .importance import as_group_scorer, group_importance
-from .journal import atomic
+from ..surgery.journal import atomic
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def group_kind(group: Group) -> Tuple[Any, ...]:
     Examples:
         >>> import torch
         >>> from prunekit.compact import build_dependency_graph
-        >>> from prunekit.compact.prune import group_kind
+        >>> from prunekit.compact.selection.prune import group_kind
         >>> m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
         >>> group_kind(build_dependency_graph(m, torch.randn(1, 4)).prunable_groups()[0])
         ((('#', 'out'), ('#', 'in')), 8)

@@ -1,6 +1,6 @@
 """Which units are dead: removing them cannot change the masked model's output.
 
-One propagation decides it (the constants of :mod:`prunekit.compact.consts`, recorded
+One propagation decides it (the constants of :mod:`prunekit.compact.proofs.constants`, recorded
 while the model was traced). A unit -- a channel, a head, a group of a grouped conv,
 coupled across every layer it spans -- can go when, at every layer that *reads* it:
 
@@ -17,13 +17,15 @@ spans. Every unit that is masked somewhere but stays gets a reason.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from . import weights
-from .results import DependencyGraph, Group
+from .. import weights
+
+if TYPE_CHECKING:  # pragma: no cover - the graph is handed in; proofs sit below the tracer that builds it
+    from ..trace.results import DependencyGraph, Group
 
 __all__ = ["Fold", "NonZero", "Verdict", "dead_units", "zero_units"]
 

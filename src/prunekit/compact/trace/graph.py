@@ -46,11 +46,11 @@ Why this tracer and not torch.fx or torch.export
 
 Where each part lives
 ---------------------
-:mod:`~prunekit.compact.ops` (op tables), :mod:`~prunekit.compact.shadows` (label
-tensors), :mod:`~prunekit.compact.rules` (how each op moves labels),
-:mod:`~prunekit.compact.unionfind`, :mod:`~prunekit.compact.tracer` (the run and the
-handler API), :mod:`~prunekit.compact.grouping` (units and groups from the components),
-:mod:`~prunekit.compact.results` (what is returned); this module is the entry point.
+:mod:`~prunekit.compact.trace.ops` (op tables), :mod:`~prunekit.compact.trace.shadows` (label
+tensors), :mod:`~prunekit.compact.trace.rules` (how each op moves labels),
+:mod:`~prunekit.compact.trace.unionfind`, :mod:`~prunekit.compact.trace.tracer` (the run and the
+handler API), :mod:`~prunekit.compact.trace.grouping` (units and groups from the components),
+:mod:`~prunekit.compact.trace.results` (what is returned); this module is the entry point.
 
 Anything the tracer does not understand is never guessed: the channels that
 flow into an unknown operation are *blocked* (not prunable) and the reason
@@ -66,10 +66,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from .errors import TraceError
+from ..errors import TraceError
 from .grouping import collect, default_final_layers, read_values
-from .handlers import REGISTRY, HandlerRegistry
-from .handlers.projection_attention import GQA_MODES
+from ..handlers import REGISTRY, HandlerRegistry
+from ..handlers.projection_attention import GQA_MODES
 from .results import DependencyGraph, Group, SlotInfo, Unit
 from .tracer import Tracer
 

@@ -3,11 +3,12 @@
 Handled modules (see :mod:`prunekit.compact.handlers`) are leaves: after each one ran,
 its handler binds its inputs to its slots and labels its outputs. Every torch function
 *between* leaves goes through a ``TorchFunctionMode`` to the rules of
-:mod:`prunekit.compact.rules`, which move the labels the way the op moves elements.
+:mod:`prunekit.compact.trace.rules`, which move the labels the way the op moves elements.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import weakref
@@ -19,9 +20,9 @@ from torch.nn.modules import module as global_module_hooks
 from torch.overrides import TorchFunctionMode
 
 from . import shadows as lbl
-from .consts import ConstMap, from_slot, lookup
-from .errors import TraceError
-from .journal import run_then_clean
+from ..proofs.constants import ConstMap, from_slot, lookup
+from ..errors import TraceError
+from ...transaction import run_then_clean
 from .inputs import flatten_output, split_inputs
 from .ops import op_name, tensors_in
 from .results import SlotInfo
@@ -65,6 +66,11 @@ class Tracer(OpRules):
         # constants: id(tensor) -> (weak ref, ConstMap); reads: every bind's (ids, values or None)
         self.consts: Dict[int, Tuple[Any, ConstMap]] = {}
         self.reads: List[Tuple[Tensor, Optional[Tensor]]] = []
+        # set by run(), undone by _cleanup(): installed hooks, wrapped forwards, training flags, fast path
+        self._hooks: List[Any] = []
+        self._wrapped: List[Tuple[nn.Module, Any, Any]] = []  # (module, its own forward attribute or none, wrapper)
+        self._was_training: List[Tuple[nn.Module, bool]] = []
+        self._fastpath = True
 
     # ---- handler API
     @property
@@ -125,7 +131,7 @@ class Tracer(OpRules):
         return entry
 
     def consts_of(self, t: Any) -> Optional[ConstMap]:
-        """What is known constant about ``t``'s channels (see :mod:`prunekit.compact.consts`)."""
+        """What is known constant about ``t``'s channels (see :mod:`prunekit.compact.proofs.constants`)."""
         if not self.consts or not isinstance(t, Tensor):
             return None
         entry = self.consts.get(id(t))
@@ -313,110 +319,22 @@ class Tracer(OpRules):
 
     # ---- run
     def run(self, example_inputs: Any, ignored: Sequence[str]) -> Any:
-        for name, module in self.named:
-            h = self.registry.lookup(module)
-            # a module inside a handled module is part of it (named_modules lists parents first)
-            parts = name.split(".")
-            if h is not None and not any(".".join(parts[:i]) in self.handlers for i in range(1, len(parts))):
-                self.handlers[name] = h
-        # Every leaf's slots described now, in one warm loop: inside the forward pass each
-        # description would run right after a layer's compute has pushed it out of the caches.
-        for name, h in self.handlers.items():
-            try:
-                self._specs[name] = h.slots(self.by_name[name])
-            except Exception:  # described again when the module runs, and raised there as before
-                pass
-        hooks: List[Any] = []
-        wrapped: List[Tuple[nn.Module, Any, Any]] = []  # (module, its own forward attribute or none, wrapper)
-        tracer = self
-        op_names: Dict[Any, str] = {}
+        """Run the model once on ``example_inputs``, tracing it; returns the model's output.
 
-        def name_of(func: Any) -> str:
-            try:
-                return op_names[func]
-            except (KeyError, TypeError):  # first call of this function (or unhashable)
-                name = op_name(func)
-                try:
-                    op_names[func] = name
-                except TypeError:
-                    pass
-                return name
-
-        class _Mode(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                try:
-                    out = func(*args, **kwargs)
-                except Exception as exc:
-                    if not hasattr(exc, "_prunekit_op"):
-                        exc._prunekit_op = name_of(func)  # the innermost failing op names the error
-                    raise
-                if tracer.leaf_depth == 0:  # inside a leaf its handler speaks for the ops
-                    name = name_of(func)
-                    tracer.last_op = name
-                    tracer.on_op(func, args, kwargs, out, name)
-                return out
-
-        was_training = [(m, m.training) for _, m in self.named]
+        Afterwards the channels of the output and of the ``ignored`` modules are blocked,
+        and the model is exactly as before (hooks, wrappers, training flags and the fused
+        attention switch put back, also when the run fails).
+        """
+        self._choose_handlers()
+        self._hooks, self._wrapped = [], []
+        self._was_training = [(m, m.training) for _, m in self.named]
         args, kwargs = split_inputs(example_inputs)
         # No autograd: nothing here needs gradients, and recording them costs about a
         # quarter of the forward pass. Fused inference fast paths (nn.MultiheadAttention,
         # nn.TransformerEncoder[Layer]) stay off: they are skipped whenever a torch function
         # mode is active, and the fast-path switch is turned off as well while tracing.
-        fastpath = torch.backends.mha.get_fastpath_enabled()
-
-        def cleanup() -> None:  # idempotent: run again if an interrupt cuts it short
-            torch.backends.mha.set_fastpath_enabled(fastpath)
-            while hooks:
-                hooks[-1].remove()
-                hooks.pop()
-            while wrapped:  # the instance's own forward attribute back as it was (usually none)
-                module, before, wrapper = wrapped[-1]
-                if module.__dict__.get("forward") is wrapper:
-                    if before is _NO_FORWARD:
-                        del module.__dict__["forward"]
-                    else:
-                        module.__dict__["forward"] = before
-                wrapped.pop()
-            for m, t in was_training:
-                if m.training != t:
-                    m.training = t
-            self.stack.clear()
-            self.leaf_depth = 0
-
-        def traced() -> Any:
-            try:
-                # hooks and eval mode inside the body: an interrupt while installing them removes them too
-                plain = not getattr(global_module_hooks, "_global_forward_hooks", True)  # no hook replaces any output
-                for name in self.handlers:
-                    module = self.by_name[name]
-                    if plain and not module._forward_hooks:
-                        wrapper = self._traced_forward(module, name)
-                        wrapped.append((module, module.__dict__.get("forward", _NO_FORWARD), wrapper))
-                        module.__dict__["forward"] = wrapper
-                    else:  # forward hooks may replace the output: trace what they return
-                        hooks.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
-                        hooks.append(module.register_forward_hook(self._post, with_kwargs=True))
-                if any(t for _, t in was_training):
-                    self.model.eval()
-                torch.backends.mha.set_fastpath_enabled(False)
-                with torch.no_grad(), _Mode():
-                    return self.model(*args, **kwargs)
-            except TraceError:
-                raise
-            except Exception as exc:
-                failed = getattr(exc, "_prunekit_op", self.last_op)
-                tb = exc.__traceback__
-                while tb is not None and tb.tb_next is not None:
-                    tb = tb.tb_next  # the innermost frame: where the forward pass failed
-                where = self.stack[-1] if self.stack else self._module_of(tb.tb_frame if tb else None)
-                raise TraceError(
-                    f"the model's forward pass failed while prunekit traced it, at op '{failed}' in module "
-                    f"'{where}': {type(exc).__name__}: {exc}. Check that example_inputs are what "
-                    "model(*example_inputs) accepts."
-                ) from exc
-
-        output = run_then_clean(traced, cleanup)
+        self._fastpath = torch.backends.mha.get_fastpath_enabled()
+        output = run_then_clean(functools.partial(self._traced, args, kwargs), self._cleanup)
         for t in tensors_in(flatten_output(output)):
             s = self.shadow(t)
             if s is not None:
@@ -430,3 +348,114 @@ class Tracer(OpRules):
                     self.block(self.slot(name, sname), f"module '{name}' is in ignored_layers")
         self.shadows.clear()
         return output
+
+    def _choose_handlers(self) -> None:
+        """The handled modules (the outermost module with a handler) and their slot descriptions."""
+        for name, module in self.named:
+            h = self.registry.lookup(module)
+            # a module inside a handled module is part of it (named_modules lists parents first)
+            parts = name.split(".")
+            if h is not None and not any(".".join(parts[:i]) in self.handlers for i in range(1, len(parts))):
+                self.handlers[name] = h
+        # Every leaf's slots described now, in one warm loop: inside the forward pass each
+        # description would run right after a layer's compute has pushed it out of the caches.
+        for name, h in self.handlers.items():
+            try:
+                self._specs[name] = h.slots(self.by_name[name])
+            except Exception:  # described again when the module runs, and raised there as before
+                pass
+
+    def _traced(self, args: tuple, kwargs: dict) -> Any:
+        """The traced forward pass; a failure becomes a :class:`TraceError` naming the op and the module."""
+        try:
+            # hooks and eval mode inside the body: an interrupt while installing them removes them too
+            self._install()
+            if any(t for _, t in self._was_training):
+                self.model.eval()
+            torch.backends.mha.set_fastpath_enabled(False)
+            with torch.no_grad(), _TracingMode(self):
+                return self.model(*args, **kwargs)
+        except TraceError:
+            raise
+        except Exception as exc:
+            failed = getattr(exc, "_prunekit_op", self.last_op)
+            tb = exc.__traceback__
+            while tb is not None and tb.tb_next is not None:
+                tb = tb.tb_next  # the innermost frame: where the forward pass failed
+            where = self.stack[-1] if self.stack else self._module_of(tb.tb_frame if tb else None)
+            raise TraceError(
+                f"the model's forward pass failed while prunekit traced it, at op '{failed}' in module "
+                f"'{where}': {type(exc).__name__}: {exc}. Check that example_inputs are what "
+                "model(*example_inputs) accepts."
+            ) from exc
+
+    def _install(self) -> None:
+        """Wrap the forward of every handled module (forward hooks where hooks may replace its output),
+        each recorded for :meth:`_cleanup` as it is installed."""
+        plain = not getattr(global_module_hooks, "_global_forward_hooks", True)  # no hook replaces any output
+        for name in self.handlers:
+            module = self.by_name[name]
+            if plain and not module._forward_hooks:
+                wrapper = self._traced_forward(module, name)
+                self._wrapped.append((module, module.__dict__.get("forward", _NO_FORWARD), wrapper))
+                module.__dict__["forward"] = wrapper
+            else:  # forward hooks may replace the output: trace what they return
+                self._hooks.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+                self._hooks.append(module.register_forward_hook(self._post, with_kwargs=True))
+
+    def _cleanup(self) -> None:
+        """Undo :meth:`_traced`'s changes to the model; idempotent: run again if an interrupt cuts it short."""
+        torch.backends.mha.set_fastpath_enabled(self._fastpath)
+        hooks, wrapped = self._hooks, self._wrapped
+        while hooks:
+            hooks[-1].remove()
+            hooks.pop()
+        while wrapped:  # the instance's own forward attribute back as it was (usually none)
+            module, before, wrapper = wrapped[-1]
+            if module.__dict__.get("forward") is wrapper:
+                if before is _NO_FORWARD:
+                    del module.__dict__["forward"]
+                else:
+                    module.__dict__["forward"] = before
+            wrapped.pop()
+        for m, t in self._was_training:
+            if m.training != t:
+                m.training = t
+        self.stack.clear()
+        self.leaf_depth = 0
+
+
+class _TracingMode(TorchFunctionMode):
+    """Sends every torch function called between leaves to the tracer's op rules."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__()
+        self._tracer = tracer
+        self._op_names: Dict[Any, str] = {}
+
+    def _name_of(self, func: Any) -> str:
+        """:func:`~prunekit.compact.trace.ops.op_name`, cached per function (an unhashable one is named again)."""
+        try:
+            return self._op_names[func]
+        except (KeyError, TypeError):  # first call of this function (or unhashable)
+            name = op_name(func)
+            try:
+                self._op_names[func] = name
+            except TypeError:
+                pass
+            return name
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        try:
+            out = func(*args, **kwargs)
+        except Exception as exc:
+            if not hasattr(exc, "_prunekit_op"):
+                exc._prunekit_op = self._name_of(func)  # the innermost failing op names the error
+            raise
+        tracer = self._tracer
+        if tracer.leaf_depth == 0:  # inside a leaf its handler speaks for the ops
+            name = self._name_of(func)
+            tracer.last_op = name
+            tracer.on_op(func, args, kwargs, out, name)
+        return out

@@ -18,8 +18,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from .. import reparam
-from ..transaction import Transaction, finish, run_then_clean
+from ... import reparam
+from ...transaction import Transaction, finish, run_then_clean
 
 __all__ = ["Journal", "atomic", "finish", "run_then_clean"]
 
