@@ -9,7 +9,7 @@ pytestmark = pytest.mark.hf
 transformers = pytest.importorskip("transformers")
 
 import shrink_models  # noqa: E402
-from prunekit.compact.journal import Journal  # noqa: E402
+from prunekit.compact.surgery.journal import Journal  # noqa: E402
 from prunekit.shrink.width import Width  # noqa: E402
 
 # what each family's blocks offer (the MoE families' hidden size waits on expert handlers)

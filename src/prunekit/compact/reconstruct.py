@@ -22,7 +22,6 @@ The result is a masked model: :func:`~prunekit.compact.compact` then removes the
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -31,6 +30,7 @@ from torch import Tensor, nn
 
 from .._backend import require_torch
 from ..importance import ActivationStats, get_scorer
+from ..kernels.lstsq import output_error, refit_columns
 from . import weights
 from .trace.graph import build_dependency_graph, check_graph
 from .selection.importance import group_importance
@@ -176,24 +176,14 @@ def _refit(r: _Reader, w_before: Tensor, damp: float, reconstruct: bool) -> Read
     a = torch.cat([w_before.to(torch.float64), b[:, None]], dim=1)  # the reader before: y = [W b] [x; 1]
     kept = ~_column_masked(m)
     masked = torch.cat([weights.effective(m, "weight").to(torch.float64), b[:, None]], dim=1)
-    ref = float(torch.einsum("ij,jk,ik->", a, g, a))
-
-    def rel(c: Tensor) -> float:
-        d = a - c
-        return math.sqrt(max(float(torch.einsum("ij,jk,ik->", d, g, d)), 0.0) / max(ref, 1e-30))
-
-    before = rel(masked)
+    before = output_error(a, masked, g)
     cols = kept.nonzero().view(-1)
     if has_bias:
         cols = torch.cat([cols, torch.tensor([n])])
     if not reconstruct or cols.numel() == 0:
         return ReaderFit(r.name, int(kept.sum()), n, before, before)
-    gk = g[cols][:, cols]
-    lam = damp * float(gk.diagonal().mean()) + 1e-12
-    sol = torch.linalg.solve(gk + lam * torch.eye(cols.numel(), dtype=torch.float64), (a @ g[:, cols]).T).T
-    new = torch.zeros_like(a)
-    new[:, cols] = sol
-    after = rel(new)
+    new = refit_columns(a, g, cols, damp)
+    after = output_error(a, new, g)
     if after >= before:  # never worse than no refit
         return ReaderFit(r.name, int(kept.sum()), n, before, before)
     with torch.no_grad():

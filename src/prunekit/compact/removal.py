@@ -2,7 +2,7 @@
 
 :func:`remove_units` is :func:`~prunekit.compact.compact` for a caller that already knows which
 units of which groups go (``GroupDecision``): the same module surgery
-(:func:`~prunekit.compact.surgery.shrink_module`), without writing masks first, so no tensor
+(:func:`~prunekit.compact.surgery.shrink.shrink_module`), without writing masks first, so no tensor
 the size of a weight is allocated besides the smaller copy that replaces it.
 """
 
@@ -14,10 +14,10 @@ import torch
 from torch import Tensor, nn
 
 from ..transaction import atomic
-from .journal import Journal
-from .prune import GroupDecision
-from .results import DependencyGraph
-from .surgery import shrink_module
+from .selection.prune import GroupDecision
+from .surgery.journal import Journal
+from .surgery.shrink import shrink_module
+from .trace.results import DependencyGraph
 
 __all__ = ["remove_units"]
 
@@ -36,7 +36,7 @@ def remove_units(
         >>> import torch
         >>> from torch import nn
         >>> from prunekit.compact import build_dependency_graph
-        >>> from prunekit.compact.prune import GroupDecision
+        >>> from prunekit.compact.selection.prune import GroupDecision
         >>> m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
         >>> g = build_dependency_graph(m, torch.randn(1, 4))
         >>> remove_units(m, g, [GroupDecision(g.prunable_groups()[0], [0, 5], 8)])

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from ..compact.hf_config import FAMILIES as CONFIG_FAMILIES
 from ..compact.hf_config import updated_config
-from ..compact.journal import Journal
+from ..compact.surgery.journal import Journal
 from ..transaction import atomic
 from . import depth, experts
 from .calibration import Objective, as_batches, forward, output_vectors

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..compact.inputs import split_inputs
+from ..compact.trace.inputs import split_inputs
 
 __all__ = ["Objective", "as_batches", "forward", "output_vectors", "token_mask"]
 

@@ -37,10 +37,10 @@ from torch import Tensor, nn
 
 from ..compact import build_dependency_graph
 from ..compact.hf_config import FAMILIES as CONFIG_FAMILIES
-from ..compact.journal import Journal
-from ..compact.prune import GroupDecision
+from ..compact.surgery.journal import Journal
+from ..compact.selection.prune import GroupDecision
 from ..compact.removal import remove_units
-from ..compact.results import DependencyGraph, Group
+from ..compact.trace.results import DependencyGraph, Group
 from ..transaction import run_then_clean
 from .calibration import forward, token_mask
 from .families import family_of, layer_list
