@@ -6,5 +6,6 @@ plain Hugging Face model whose config describes its new shapes.
 """
 
 from .families import FAMILIES, ShrinkFamily, family_of, layer_list
+from .distill import DistillReport, distill
 
-__all__ = ["FAMILIES", "ShrinkFamily", "family_of", "layer_list"]
+__all__ = ["FAMILIES", "DistillReport", "ShrinkFamily", "distill", "family_of", "layer_list"]
