@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from ..io.reader import open_regular
 from ..io.writer import atomic_folder
 from ..oneshot.blocks import to_device
 from .distill_core import (LOOP_STATE, WHAT, Objective, Recorder, Settings, as_batch, count_tokens, make_optimizer,
@@ -91,7 +92,8 @@ def load_checkpoint(path: str, student: nn.Module, optimizer: Any, scheduler: An
     """
     file = os.path.join(path, LOOP_STATE)
     try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        with open_regular(file, what="distill checkpoint") as f:
+            state = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # a damaged or foreign file: say which, and what to do
         raise _bad(file, f"it cannot be read ({type(e).__name__}: {e})") from e
     if not isinstance(state, dict) or state.get("format") != FORMAT:

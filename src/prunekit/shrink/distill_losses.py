@@ -214,6 +214,7 @@ class DistillLoss:
         s, _ = loss._compared(student_out, batch)
         t, _ = loss._compared(teacher_out, batch)
         field = "logits" if kind == "kl" else ("pooler_output" if self.pooling == "pooler" else "last_hidden_state")
+        shown = f"{self.pooling}-pooled {field}" if kind != "kl" and self.pooling in ("mean", "cls") else field
         for who, v in (("student", s), ("teacher", t)):
             if not isinstance(v, Tensor):
                 hint = ("loss='cosine' (hidden states)" if kind == "kl"
@@ -229,7 +230,7 @@ class DistillLoss:
                 hint = (f"{kind} compares the states element by element, so their widths must match "
                         f"({s.shape[-1]} vs {t.shape[-1]}); keep the hidden size when shrinking, or pass "
                         "loss=function(student_out, teacher_out, batch) that compares them through a projection")
-            raise ValueError(f"{self.what}: the student's {field} is {_shape(s)} and the teacher's {_shape(t)}: {hint}")
+            raise ValueError(f"{self.what}: the student's {shown} is {_shape(s)} and the teacher's {_shape(t)}: {hint}")
         if loss.needs_hidden_states:
             ss, ts = _get(student_out, "hidden_states"), _get(teacher_out, "hidden_states")
             if not isinstance(ss, (tuple, list)) or not isinstance(ts, (tuple, list)) or len(ss) < 2 or len(ts) < 2:

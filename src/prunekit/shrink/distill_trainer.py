@@ -17,6 +17,7 @@ progress callback run on the main process only.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -26,9 +27,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from ..io.reader import read_json
 from ..io.writer import atomic_folder
-from .distill_core import (Objective, Recorder, Settings, as_batch, checkpoints, count_tokens, make_optimizer,
-                           make_scheduler, seed_all)
+from .distill_core import (TRAINER_STATE, WHAT, Objective, Recorder, Settings, as_batch, checkpoints, count_tokens,
+                           make_optimizer, make_scheduler, seed_all)
 
 try:
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -175,6 +177,23 @@ def _arguments(settings: Settings, output_dir: str) -> TrainingArguments:
     )
 
 
+def _finished(trainer: DistillTrainer, start: str, settings: Settings, recorder: Recorder) -> bool:
+    """Whether checkpoint ``start`` already is at the last step (``Trainer`` would run one step more)."""
+    path = os.path.join(start, TRAINER_STATE)
+    step = read_json(path, what="Trainer checkpoint state").get("global_step") if os.path.isfile(path) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"{WHAT}: {path} records global_step={step!r}; it is not a checkpoint to resume from (move "
+                         "it away to resume from the one before it)")
+    total = settings.steps
+    if total is None:
+        batches = len(trainer.get_train_dataloader())
+        total = math.ceil(settings.epochs * settings.updates_per_epoch(batches))
+    if step < total:
+        return False
+    recorder.total, recorder.start_step = total, step
+    return True
+
+
 def run_trainer(student: nn.Module, objective: Objective, data: Any, settings: Settings, recorder: Recorder,
                 start: Optional[str], ready: Callable[[torch.device], None]) -> Optional[str]:
     """Train ``student`` with :class:`DistillTrainer` (from checkpoint ``start`` when given).
@@ -199,6 +218,8 @@ def run_trainer(student: nn.Module, objective: Objective, data: Any, settings: S
         recorder.main = trainer.is_world_process_zero()
         ready(args.device)
         seed_all(settings.seed)
+        if start is not None and _finished(trainer, start, settings, recorder):
+            return start
         trainer.train(resume_from_checkpoint=start)
     finally:
         if trainer is not None:
