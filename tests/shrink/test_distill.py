@@ -444,3 +444,43 @@ def test_minilm_three_layer_student_gets_closer_to_its_teacher():
     after = cosine(student)
     assert after > before and math.isfinite(after)
     assert same(snapshot(teacher), before_teacher)
+
+
+# ----------------------------------------------------------------------------- many processes
+TORCHRUN_SCRIPT = """
+import os, sys, torch
+import shrink_models as sm
+from prunekit.shrink import distill
+teacher, student = sm.build("llama"), sm.build("llama", seed=1, num_hidden_layers=2)
+report = distill(student, teacher, sm.batches("llama", n=4), steps=3, lr=1e-2, warmup=1, save_steps=2,
+                 output_dir=os.path.join(sys.argv[1], "out"), engine="trainer")
+torch.save({"weights": student.state_dict(), "losses": report.losses, "tokens": report.tokens},
+           os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.pt"))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_two_processes_equal_one_process_accumulating_two(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "run.py").write_text(TORCHRUN_SCRIPT)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = os.path.dirname(os.path.dirname(os.path.abspath(prunekit.__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([src, here]))
+    # --standalone: the rendezvous takes a free port from the system, so parallel runs cannot collide
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(tmp_path / "run.py"), str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-2", "checkpoint-3"]
+    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= set(os.listdir(tmp_path / "out" / "checkpoint-3"))
+    # each process takes every other batch: one optimizer step sees batches 2k and 2k+1, as accumulating two does
+    student, teacher = pair("llama")
+    one = distill(student, teacher, sm.batches("llama", n=4), steps=3, lr=1e-2, warmup=1, gradient_accumulation_steps=2,
+                  engine="loop")
+    for got in ranks:
+        assert got["losses"] == one.losses and got["tokens"] == one.tokens
+        assert same(got["weights"], snapshot(student))  # halving is exact: the same sums either way

@@ -35,6 +35,7 @@ from .distill_core import (TRAINER_STATE, WHAT, Objective, Recorder, Settings, a
 try:
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from transformers.utils import logging as hf_logging
 except ImportError as _e:  # pragma: no cover - depends on the environment
     raise ImportError("engine='trainer' needs transformers: pip install 'prunekit[hf]', or use engine='loop'") from _e
 
@@ -173,8 +174,15 @@ def _arguments(settings: Settings, output_dir: str) -> TrainingArguments:
         disable_tqdm=True,
         remove_unused_columns=False,
         dataloader_pin_memory=False,
-        use_cpu=device is not None and device.type == "cpu",
+        use_cpu=device.type == "cpu" if device is not None else not _has_accelerator(),
     )
+
+
+def _has_accelerator() -> bool:
+    """Whether torch sees a GPU (or another accelerator); without one, ``Trainer`` must be told ``use_cpu`` to run
+    several processes (``torchrun``) as one distributed job."""
+    acc = getattr(torch, "accelerator", None)
+    return bool(acc.is_available()) if acc is not None else torch.cuda.is_available()
 
 
 def _finished(trainer: DistillTrainer, start: str, settings: Settings, recorder: Recorder) -> bool:
@@ -208,6 +216,8 @@ def run_trainer(student: nn.Module, objective: Objective, data: Any, settings: S
         scratch = tempfile.TemporaryDirectory(prefix="prunekit-distill-")
         out = scratch.name
     trainer: Optional[DistillTrainer] = None
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # checkpoints write no progress bars: a library prints nothing
     try:
         args = _arguments(settings, out)
         trainer = DistillTrainer(model=student, args=args, batches=data, objective=objective, settings=settings,
@@ -222,6 +232,8 @@ def run_trainer(student: nn.Module, objective: Objective, data: Any, settings: S
             return start
         trainer.train(resume_from_checkpoint=start)
     finally:
+        if bars:
+            hf_logging.enable_progress_bar()
         if trainer is not None:
             trainer.accelerator.free_memory()
             if settings.output_dir is not None and trainer.args.should_save:
