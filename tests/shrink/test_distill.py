@@ -6,6 +6,7 @@ import copy
 import logging
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -61,7 +62,7 @@ def test_the_loss_goes_down_on_a_fixed_batch_set(family, name):
     student, teacher = pair(family)
     report = distill(student, teacher, sm.batches(family, n=4), steps=12, lr=3e-3, engine="loop")
     assert isinstance(report, DistillReport)
-    assert (report.steps, report.start_step, report.total_steps, report.engine, report.loss) == (12, 0, 12, "loop", name)
+    assert (report.steps, report.start_step, report.total_steps, report.engine, report.loss_name) == (12, 0, 12, "loop", name)
     assert len(report.losses) == 12 and report.initial_loss == report.losses[0] and report.final_loss == report.losses[-1]
     assert sum(report.losses[-3:]) < 0.8 * sum(report.losses[:3])
     assert report.tokens == 12 * 2 * 9  # one batch of 2 x 9 real tokens per step
@@ -110,7 +111,7 @@ def test_intermediate_layers_add_their_mse():
     kl = distill(copy.deepcopy(student), teacher, batch, steps=1, engine="loop").losses[0]
     layers = [float((s.hidden_states[i] - t.hidden_states[j]).pow(2).mean()) for i, j in ((1, 2), (2, 4))]
     report = distill(student, teacher, batch, intermediate=0.5, steps=1, engine="loop")
-    assert report.loss == "kl, temperature=1, intermediate=0.5"
+    assert report.loss_name == "kl, temperature=1, intermediate=0.5"
     assert report.losses[0] == pytest.approx(kl + 0.5 * sum(layers) / 2, rel=1e-5)
 
 
@@ -125,10 +126,10 @@ def test_a_loss_function_and_plain_modules():
     with torch.no_grad():
         want = float(mse(student(data[0]), teacher(data[0]), data[0]))
     report = distill(student, teacher, data, loss=mse, steps=20, lr=0.05, schedule="constant")
-    assert (report.engine, report.loss, report.tokens) == ("loop", "test_a_loss_function_and_plain_modules.<locals>.mse", 0)
+    assert (report.engine, report.loss_name, report.tokens) == ("loop", "test_a_loss_function_and_plain_modules.<locals>.mse", 0)
     assert report.losses[0] == pytest.approx(want, rel=1e-6)
     assert report.final_loss < 0.5 * report.initial_loss
-    assert distill(nn.Linear(4, 3), teacher, data, loss="mse", steps=1).loss == "mse, pooling='mean'"
+    assert distill(nn.Linear(4, 3), teacher, data, loss="mse", steps=1).loss_name == "mse, pooling='mean'"
 
 
 def test_epochs_iterables_and_accumulation_count_steps_as_trainer_does():
@@ -407,6 +408,17 @@ class _Stream(torch.utils.data.IterableDataset):
         return iter(self.items)
 
 
+def test_without_transformers_the_loop_trains_plain_modules(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
+    torch.manual_seed(0)
+    teacher, student = nn.Linear(4, 3), nn.Linear(4, 3)
+    data = [torch.randn(2, 4)]
+    assert distill(student, teacher, data, loss="kl", steps=2).engine == "loop"
+    with pytest.raises(ImportError, match=r"engine='trainer' needs transformers \(pip install 'prunekit\[hf\]'\); "
+                                          r"write engine='loop'"):
+        distill(student, teacher, data, loss="kl", steps=2, engine="trainer")
+
+
 def test_exported_as_prunekit_distill():
     assert prunekit.distill is distill and "distill" in prunekit.__all__
     assert prunekit.shrink.DistillReport is DistillReport
@@ -438,7 +450,7 @@ def test_minilm_three_layer_student_gets_closer_to_its_teacher():
 
     before_teacher, before = snapshot(teacher), cosine(student)
     report = distill(student, teacher, batches, epochs=3, lr=1e-4, warmup=2)
-    assert (report.engine, report.loss, report.steps) == ("trainer", "cosine, pooling='mean'", 12)
+    assert (report.engine, report.loss_name, report.steps) == ("trainer", "cosine, pooling='mean'", 12)
     assert report.tokens == 3 * sum(int(b["attention_mask"].sum()) for b in batches)
     assert sum(report.losses[-4:]) < sum(report.losses[:4])
     after = cosine(student)
@@ -463,7 +475,6 @@ torch.save({"weights": student.state_dict(), "losses": report.losses, "tokens": 
 @pytest.mark.distributed
 def test_torchrun_two_processes_equal_one_process_accumulating_two(tmp_path):
     import subprocess
-    import sys
 
     (tmp_path / "run.py").write_text(TORCHRUN_SCRIPT)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

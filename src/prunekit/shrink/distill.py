@@ -14,7 +14,8 @@ teacher's -- logit KL for language models, hidden states or sentence embeddings 
 Both walk the batches in the same order (epochs of ``ceil(batches / accumulation)`` optimizer
 steps), with the same optimizer, schedule, loss scaling, clipping and seeding
 (:mod:`.distill_core`), so the same seed gives the same weights -- across processes up to the
-order of floating-point sums. ``use_cache`` is off on both models while they train, as
+order of floating-point sums. (A shuffling ``DataLoader`` is the exception: under ``Trainer``,
+``accelerate`` draws its order from its own seeded sampler.) ``use_cache`` is off on both models while they train, as
 ``Trainer`` has it.
 
 Interruptions. An exception or ``KeyboardInterrupt`` while training keeps the progress made,
@@ -28,6 +29,7 @@ is never changed.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import numbers
@@ -57,6 +59,7 @@ ENGINES = ("auto", "trainer", "loop")
 class DistillReport:
     """What one :func:`distill` call did.
 
+    ``engine`` ran it, with the loss ``loss_name`` (e.g. ``"kl, temperature=1"``, or a function's name).
     ``steps`` optimizer steps ran in this call, from ``start_step`` (0, or the checkpoint it
     resumed from) towards ``total_steps``; ``losses`` holds each one's loss (the mean over its
     micro-batches and processes), ``initial_loss``/``final_loss`` the first and last of them
@@ -64,13 +67,13 @@ class DistillReport:
     the time spent training. ``checkpoint`` is the last checkpoint in ``output_dir``, if any.
 
     Examples:
-        >>> DistillReport(engine="loop", loss="kl", start_step=0, total_steps=2, losses=[2.5, 2.0], tokens=32,
-        ...               seconds=0.5)
-        DistillReport(2 steps (0 -> 2 of 2), loss 2.5 -> 2, 32 tokens, 0.50 s, engine='loop', loss='kl')
+        >>> DistillReport(engine="loop", loss_name="kl, temperature=1", start_step=0, total_steps=2,
+        ...               losses=[2.5, 2.0], tokens=32, seconds=0.5)
+        DistillReport(2 steps (0 -> 2 of 2), loss 2.5 -> 2, 32 tokens, 0.50 s, engine='loop', loss_name='kl, temperature=1')
     """
 
     engine: str
-    loss: str
+    loss_name: str
     start_step: int
     total_steps: int
     losses: List[float] = field(default_factory=list)
@@ -91,7 +94,7 @@ class DistillReport:
         saved = f", checkpoint={self.checkpoint!r}" if self.checkpoint else ""
         return (f"DistillReport({self.steps} steps ({self.start_step} -> {self.start_step + self.steps} of "
                 f"{self.total_steps}), {loss}, {self.tokens} tokens, {self.seconds:.2f} s, engine={self.engine!r}, "
-                f"loss={self.loss!r}{saved})")
+                f"loss_name={self.loss_name!r}{saved})")
 
 
 # ----------------------------------------------------------------------------- checking the call
@@ -186,6 +189,15 @@ def _settings(steps: Any, epochs: Any, lr: Any, weight_decay: Any, warmup: Any, 
         callback=callback)
 
 
+def _storage(p: Tensor) -> Optional[Tuple[Any, int]]:
+    """Where a parameter's memory is (``None`` when it has none to share: empty, meta, or not a plain tensor)."""
+    try:
+        ptr = p.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return (p.device, ptr) if ptr and p.numel() else None
+
+
 def _models(student: Any, teacher: Any) -> None:
     for name, m in (("student", student), ("teacher", teacher)):
         if not isinstance(m, nn.Module):
@@ -193,10 +205,10 @@ def _models(student: Any, teacher: Any) -> None:
     if student is teacher:
         raise ValueError(f"{WHAT}: the student is the teacher itself; training it would change the teacher: pass "
                          "a shrunk copy as the student (copy.deepcopy(teacher) before shrinking)")
-    teacher_storage = {(p.device, p.untyped_storage().data_ptr()) for p in teacher.parameters()}
+    teacher_storage = {_storage(p) for p in teacher.parameters()} - {None}
     trainable = False
     for name, p in student.named_parameters():
-        if (p.device, p.untyped_storage().data_ptr()) in teacher_storage:
+        if _storage(p) in teacher_storage:
             raise ValueError(f"{WHAT}: the student's parameter {name!r} shares its memory with a teacher parameter; "
                              "training would change the teacher: pass a copy (copy.deepcopy(teacher) before shrinking)")
         trainable = trainable or p.requires_grad
@@ -242,6 +254,13 @@ def _data(data: Any, settings: Settings, dicts: bool) -> Tuple[Any, Any, Optiona
     return batches, first, n
 
 
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # blocked (sys.modules[name] is None) or broken
+        return False
+
+
 def _engine(engine: Any, student: nn.Module, settings: Settings) -> str:
     engine = _choice("engine", engine, ENGINES)
     tf = sys.modules.get("transformers")
@@ -249,6 +268,9 @@ def _engine(engine: Any, student: nn.Module, settings: Settings) -> str:
         pretrained = tf is not None and isinstance(student, tf.PreTrainedModel)
         engine = "trainer" if pretrained else "loop"
     if engine == "trainer":
+        if tf is None and not _installed("transformers"):
+            raise ImportError(f"{WHAT}: engine='trainer' needs transformers (pip install 'prunekit[hf]'); write "
+                              "engine='loop' to train without it")
         dev = settings.device
         if dev is not None and (dev.type not in ("cpu", "cuda") or dev.index is not None):
             raise ValueError(f"{WHAT}: engine='trainer' puts each process on the device accelerate gives it; device may "
@@ -439,6 +461,6 @@ def _train(student: nn.Module, teacher: nn.Module, objective: Objective, setting
             teacher.to(teacher_device)
         restore_modes(teacher_modes)
         restore_modes(student_modes)
-    return DistillReport(engine=engine, loss=_describe(objective.loss), start_step=recorder.start_step,
+    return DistillReport(engine=engine, loss_name=_describe(objective.loss), start_step=recorder.start_step,
                          total_steps=recorder.total, losses=list(recorder.losses), tokens=recorder.tokens,
                          seconds=recorder.seconds, checkpoint=checkpoint)
