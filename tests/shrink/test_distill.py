@@ -263,6 +263,26 @@ def test_an_interrupted_save_leaves_no_checkpoint(engine, tmp_path, monkeypatch)
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("engine", ["loop", "trainer"])
+def test_a_failure_inside_a_step_keeps_the_last_step_and_no_gradients(engine):
+    student, teacher = pair("llama")
+    data = sm.batches("llama", n=4)
+    calls, after_first = [], {}
+
+    def kl_then_fail(s, t, batch):
+        calls.append(1)
+        if len(calls) == 5:  # the first check, two batches of step 1, then the second batch of step 2
+            raise RuntimeError("the data went away")
+        return prunekit.shrink.distill_losses.logit_kl(s.logits, t.logits)
+
+    with pytest.raises(RuntimeError, match="the data went away"):
+        distill(student, teacher, data, loss=kl_then_fail, steps=3, gradient_accumulation_steps=2, lr=1e-2,
+                engine=engine, callback=lambda step, _: after_first.setdefault(step, snapshot(student)))
+    assert list(after_first) == [1]
+    assert same(snapshot(student), after_first[1])  # the progress of step 1; step 2 never reached the optimizer
+    assert all(p.grad is None for p in student.parameters())
+
+
 # ----------------------------------------------------------------------------- the teacher, the student's state
 @pytest.mark.parametrize("engine", ["loop", "trainer"])
 def test_the_teacher_is_never_changed(engine):

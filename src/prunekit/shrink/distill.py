@@ -23,8 +23,8 @@ as ``Trainer`` does: the student holds the weights of its last optimizer step (o
 inside an optimizer step may be partly applied), and every checkpoint in ``output_dir`` is
 whole -- written to a temporary folder and moved into place in one step -- so
 ``resume=True`` continues from the last one and ends with the weights of an uninterrupted run.
-A failure before the first optimizer step leaves the student where and as it was; the teacher
-is never changed.
+A failure before the first optimizer step of a run that does not resume leaves the student where
+it was, with its weights; the teacher is never changed.
 """
 
 from __future__ import annotations
@@ -452,6 +452,8 @@ def _train(student: nn.Module, teacher: nn.Module, objective: Objective, setting
 
             checkpoint = run_trainer(student, objective, batches, settings, recorder, start, ready)
     except BaseException:
+        if objective.calls:
+            student.zero_grad(set_to_none=True)  # no gradients of a cut-off step left behind
         if not recorder.losses and start is None and student_device is not None and device_of(student) != student_device:
             student.to(student_device)  # nothing trained: the student goes back where it was
         raise

@@ -254,6 +254,7 @@ class Objective:
 
     def __init__(self, teacher: nn.Module, loss: Callable[[Any, Any, Any], Tensor], hidden_states: bool) -> None:
         self.teacher, self.loss, self.hidden_states = teacher, loss, hidden_states
+        self.calls = 0  # training batches started (the probe does not count)
 
     def inputs(self, batch: Any) -> Any:
         """The model inputs of ``batch`` (``output_hidden_states=True`` added when the loss needs them)."""
@@ -267,6 +268,7 @@ class Objective:
             return call_model(self.teacher, inputs if device is None else to_device(inputs, device))
 
     def __call__(self, student: nn.Module, batch: Any) -> Tensor:
+        self.calls += 1
         teacher_out = self.teacher_output(batch)
         value = self.loss(call_model(student, self.inputs(batch)), teacher_out, batch)
         if not isinstance(value, Tensor) or not value.requires_grad:
