@@ -179,10 +179,11 @@ def test_auto_picks_the_trainer_for_transformers_models():
 
 
 # ----------------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("batches", [4, 3], ids=["inside-an-epoch", "at-an-epoch-end"])  # where checkpoint 3 falls
 @pytest.mark.parametrize("engine", ["loop", "trainer"])
-def test_resuming_reaches_the_weights_of_an_uninterrupted_run(engine, tmp_path):
+def test_resuming_reaches_the_weights_of_an_uninterrupted_run(engine, batches, tmp_path):
     student, teacher = pair("bert")  # dropout on: the random generators must be restored too
-    data = sm.batches("bert", n=4)  # checkpoint 3 falls inside the first epoch
+    data = sm.batches("bert", n=batches)
     options = dict(steps=6, save_steps=3, lr=1e-3, warmup=2, engine=engine)
     at_step = {}
     straight_student = copy.deepcopy(student)
