@@ -129,7 +129,7 @@ def test_a_loss_function_and_plain_modules():
     assert (report.engine, report.loss_name, report.tokens) == ("loop", "test_a_loss_function_and_plain_modules.<locals>.mse", 0)
     assert report.losses[0] == pytest.approx(want, rel=1e-6)
     assert report.final_loss < 0.5 * report.initial_loss
-    assert distill(nn.Linear(4, 3), teacher, data, loss="mse", steps=1).loss_name == "mse, pooling='mean'"
+    assert distill(nn.Linear(4, 3), teacher, data, loss="mse", steps=1).loss_name == "mse, pooling='tokens'"
 
 
 def test_epochs_iterables_and_accumulation_count_steps_as_trainer_does():
@@ -393,7 +393,9 @@ def test_outputs_that_cannot_be_compared_are_refused():
     before = snapshot(student)
     with pytest.raises(ValueError, match=r"mean-pooled last_hidden_state is 2x16 and the teacher's 2x32: mse compares "
                                          r"the states element by element.*through a projection"):
-        distill(student, teacher, sm.batches("bert", n=1), loss="mse", steps=1, engine="loop")
+        distill(student, teacher, sm.batches("bert", n=1), loss="mse", pooling="mean", steps=1, engine="loop")
+    with pytest.raises(ValueError, match=r"the student's last_hidden_state is 2x9x16 and the teacher's 2x9x32: cosine "):
+        distill(student, teacher, sm.batches("bert", n=1), loss="cosine", steps=1, engine="loop")
     assert same(snapshot(student), before)
     student, teacher = pair("llama", hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
     with pytest.raises(ValueError, match=r"intermediate=1 needs the same hidden size \(student 16, teacher 32\)"):

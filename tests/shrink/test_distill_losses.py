@@ -89,13 +89,18 @@ def test_layers_are_paired_by_relative_depth():
 def test_check_resolves_auto_and_names_mismatches():
     logits, hidden = Out(logits=torch.zeros(1, 2, 8)), Out(last_hidden_state=torch.zeros(1, 2, 4))
     assert DistillLoss("auto").check(logits, logits, {}).kind == "kl"
-    assert DistillLoss("auto").check(hidden, hidden, {}).kind == "cosine"
+    auto = DistillLoss("auto").check(hidden, hidden, {})
+    assert (auto.kind, auto.pooling, auto.name) == ("cosine", "mean", "cosine, pooling='mean'")
+    assert DistillLoss("cosine").check(hidden, hidden, {}).pooling == "tokens"  # pooled only when asked
+    assert DistillLoss("cosine", pooling="cls").check(hidden, hidden, {}).pooling == "cls"
     with pytest.raises(ValueError, match=r"the student's logits is 1x2x6 and the teacher's 1x2x8: KL needs the same "
                                          r"vocabulary \(the last axis: 6 vs 8\).*write loss='cosine'"):
         DistillLoss("kl").check(Out(logits=torch.zeros(1, 2, 6)), logits, {})
-    with pytest.raises(ValueError, match=r"the student's mean-pooled last_hidden_state is 1x3 and the teacher's 1x4: mse compares the states "
-                                         r"element by element, so their widths must match \(3 vs 4\)"):
+    with pytest.raises(ValueError, match=r"the student's last_hidden_state is 1x2x3 and the teacher's 1x2x4: mse "
+                                         r"compares the states element by element, so their widths must match \(3 vs 4\)"):
         DistillLoss("mse").check(Out(last_hidden_state=torch.zeros(1, 2, 3)), hidden, {})
+    with pytest.raises(ValueError, match=r"the student's mean-pooled last_hidden_state is 1x3 and the teacher's 1x4"):
+        DistillLoss("cosine", pooling="mean").check(Out(last_hidden_state=torch.zeros(1, 2, 3)), hidden, {})
     with pytest.raises(ValueError, match=r"loss='kl' compares the models' logits, and the student's output "
                                          r"\(SimpleNamespace\) has none; write loss='cosine'"):
         DistillLoss("kl").check(hidden, hidden, {})

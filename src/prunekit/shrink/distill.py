@@ -123,7 +123,7 @@ def _choice(name: str, value: Any, allowed: Tuple[str, ...]) -> str:
 
 def _loss(loss: Any, temperature: Any, pooling: Any, intermediate: Any) -> Any:
     t = _real("temperature", temperature, 0.0, "write a temperature above 0 (1 = the plain softmax)", strict=True)
-    pool = _choice("pooling", pooling, POOLINGS)
+    pool = None if pooling is None else _choice("pooling", pooling, POOLINGS)
     inter = _real("intermediate", intermediate, 0.0, "write a weight >= 0 (0 = no intermediate-layer term)")
     if callable(loss) and not isinstance(loss, str):
         if inter:
@@ -339,7 +339,7 @@ def distill(
     *,
     loss: Union[str, Callable[[Any, Any, Any], Tensor]] = "auto",
     temperature: float = 1.0,
-    pooling: str = "mean",
+    pooling: Optional[str] = None,
     intermediate: float = 0.0,
     steps: Optional[int] = None,
     epochs: Optional[float] = None,
@@ -364,10 +364,11 @@ def distill(
     keyword inputs (``input_ids``, ``attention_mask``, ...), tuples of positional inputs or
     tensors -- used in their order; no labels. ``loss``: ``"kl"`` (``temperature**2 * KL`` of the
     softened ``.logits`` over the real tokens of the batch's ``attention_mask``), ``"mse"`` or
-    ``"cosine"`` between hidden states as ``pooling`` says (``"mean"``: ``last_hidden_state``
-    mean-pooled over real tokens, the sentence embedding of models such as MiniLM; ``"cls"``,
-    ``"pooler"``, ``"tokens"``), ``"auto"`` (``"kl"`` when both models give logits, else
-    ``"cosine"``), or a function ``loss(student_out, teacher_out, batch) -> scalar tensor``;
+    ``"cosine"`` between hidden states as ``pooling`` says (``"tokens"``, the default: each real
+    token's ``last_hidden_state``; ``"mean"``: those mean-pooled, the sentence embedding of models
+    such as MiniLM; ``"cls"``; ``"pooler"``: ``pooler_output``), ``"auto"`` (``"kl"`` when both
+    models give logits, else ``"cosine"`` of mean-pooled states), or a function
+    ``loss(student_out, teacher_out, batch) -> scalar tensor``;
     ``intermediate > 0`` adds that weight times the MSE of hidden states at the same relative
     depth (same hidden size needed). The loss is checked on the first batch before anything
     trains.

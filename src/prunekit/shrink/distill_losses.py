@@ -147,8 +147,10 @@ def _shape(t: Tensor) -> str:
 class DistillLoss:
     """A named distillation loss: ``loss(student_out, teacher_out, batch) -> scalar tensor``.
 
-    ``kind`` is one of :data:`LOSSES`; :meth:`check` resolves ``"auto"`` and verifies, on one real
-    pair of outputs, that the outputs it compares exist and have the same shape.
+    ``kind`` is one of :data:`LOSSES`, ``pooling`` one of :data:`POOLINGS` (``None``: ``"tokens"``
+    for ``"mse"``/``"cosine"``, ``"mean"`` where ``"auto"`` falls back to cosine); :meth:`check`
+    resolves both and verifies, on one real pair of outputs, that the outputs it compares exist and
+    have the same shape.
 
     Examples:
         >>> from types import SimpleNamespace as Out
@@ -157,7 +159,7 @@ class DistillLoss:
         (DistillLoss('kl', temperature=1), 0.0)
     """
 
-    def __init__(self, kind: str, temperature: float = 1.0, pooling: str = "mean", intermediate: float = 0.0,
+    def __init__(self, kind: str, temperature: float = 1.0, pooling: Optional[str] = None, intermediate: float = 0.0,
                  what: str = "prunekit.distill") -> None:
         self.kind, self.temperature, self.pooling, self.intermediate, self.what = (
             kind, float(temperature), pooling, float(intermediate), what)
@@ -210,15 +212,17 @@ class DistillLoss:
                                  "write loss='kl' (they are logits) or loss='mse' / loss='cosine' (hidden states)")
             has_logits = self._logits(student_out) is not None and self._logits(teacher_out) is not None
             kind = "kl" if has_logits else "cosine"
-        loss = DistillLoss(kind, self.temperature, self.pooling, self.intermediate, self.what)
+        pooling = self.pooling or ("mean" if self.kind == "auto" else "tokens")
+        loss = DistillLoss(kind, self.temperature, pooling, self.intermediate, self.what)
         s, _ = loss._compared(student_out, batch)
         t, _ = loss._compared(teacher_out, batch)
-        field = "logits" if kind == "kl" else ("pooler_output" if self.pooling == "pooler" else "last_hidden_state")
-        shown = f"{self.pooling}-pooled {field}" if kind != "kl" and self.pooling in ("mean", "cls") else field
+        pooling = loss.pooling
+        field = "logits" if kind == "kl" else ("pooler_output" if pooling == "pooler" else "last_hidden_state")
+        shown = f"{pooling}-pooled {field}" if kind != "kl" and pooling in ("mean", "cls") else field
         for who, v in (("student", s), ("teacher", t)):
             if not isinstance(v, Tensor):
                 hint = ("loss='cosine' (hidden states)" if kind == "kl"
-                        else "loss='kl' (logits)" if self.pooling != "pooler" else "pooling='mean'")
+                        else "loss='kl' (logits)" if pooling != "pooler" else "pooling='mean'")
                 raise ValueError(f"{self.what}: loss={kind!r} compares the models' {field}, and the {who}'s output "
                                  f"({type(student_out if who == 'student' else teacher_out).__name__}) has none; "
                                  f"write {hint}, or pass loss=function(student_out, teacher_out, batch)")
