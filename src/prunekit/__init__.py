@@ -73,6 +73,8 @@ _LAZY = {
     "prune_groups": ".compact",
     # one-shot pruning from calibration data (prunekit.oneshot; the package is callable)
     "OneshotReport": ".oneshot",
+    # recovery of a shrunk model by distillation from the dense one (prunekit.shrink)
+    "distill": ".shrink",
     # files: compressed checkpoints, every format prunekit reads and writes (prunekit.io)
     "save_compressed": ".io",
     "load_compressed": ".io",

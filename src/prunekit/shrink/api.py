@@ -36,6 +36,7 @@ from ..transaction import atomic
 from . import depth, experts
 from .calibration import Objective, as_batches, forward, output_vectors
 from .families import family_of
+from .refit import ReaderFit, refit_readers
 from .search import Candidate, Target, grid_candidates
 from .sizes import EXPERT_FFN, EXPERTS, LAYERS, SizeModel
 from .width import FFN, HEADS, HIDDEN, Width
@@ -59,6 +60,7 @@ class ShrinkReport:
     params: int = 0  # parameters of the shrunk model
     score: float = math.nan  # the objective measured on the shrunk model
     seconds: float = 0.0
+    fits: List[ReaderFit] = field(default_factory=list)  # the readers refitted after the units went
 
     def __repr__(self) -> str:
         changed = ", ".join(f"{k} {self.dense.sizes[k]}->{v}" for k, v in sorted(self.chosen.sizes.items())
@@ -194,6 +196,7 @@ def shrink(
     round_to: Optional[int] = None,
     depth_importance: str = "influence",
     max_candidates: int = 64,
+    refit: bool = True,
 ) -> ShrinkReport:
     """Make a Hugging Face model smaller and dense, in place: the best mix of width and depth for ``target``.
 
@@ -214,6 +217,8 @@ def shrink(
         depth_importance: ``"influence"`` (1 - cosine between a block's input and output) or
             ``"loss"`` (the objective with that block skipped).
         max_candidates: the most candidates scored (an even spread of the grid's when it has more).
+        refit: after choosing, refit the layers that read removed heads and neurons by least squares
+            (:mod:`~prunekit.shrink.refit`), so they compute what they did before, as far as they can.
 
     The hidden size is approximate by design: a RMSNorm/LayerNorm over fewer channels is not
     the same function. Everything else (heads, FFN neurons, whole blocks, experts) removes exactly
@@ -267,15 +272,18 @@ def shrink(
         logger.info("shrink: %r", c)
     found.sort(key=lambda c: (c.score, -c.params))
     best = found[0]
-    with plan.emulated(best.sizes):
-        expected = output_vectors(forward(model, batches[0]))
     removed = plan.removed_blocks(best.sizes)
     with atomic(Journal()) as journal:
+        fits: List[ReaderFit] = []
+        with plan.emulated(best.sizes):
+            if refit:
+                fits = refit_readers(plan.width, best.sizes, batches, journal, skipped=removed)
+            expected = output_vectors(forward(model, batches[0]))
         plan.apply(best.sizes, journal)
         _check(model, batches[0], expected)
         report = ShrinkReport(model_type, goal, plan.objective.kind, dense, best, found, removed,
                               sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
-                              plan.objective(model), time.perf_counter() - started)
+                              plan.objective(model), time.perf_counter() - started, fits)
         logger.info("shrink: %r", report)
         return report
 

@@ -1,0 +1,169 @@
+"""Least-squares refit of the layers that read removed heads and neurons (``o_proj``, ``down_proj``).
+
+With units removed, a reader's kept input columns (and its bias, when it has one) are refitted
+so that it computes, on the calibration inputs, what it computed with every unit
+(:func:`prunekit.kernels.lstsq.refit_columns`; FLAP/ZipLM-style). Blocks are refitted in the
+order they run, each on the inputs that the model *as already shrunk* gives it, so later blocks
+also make up for what earlier ones lost. This runs under the search's emulation (the removed
+units are zeroed by hooks), before the units are removed for real, so the refitted weights carry
+over to the smaller layers unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..kernels.lstsq import output_error, refit_columns
+from ..transaction import Transaction, run_then_clean
+from .calibration import forward, token_mask
+from .width import HIDDEN, Width, _block_of
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ReaderFit", "refit_readers"]
+
+
+@dataclass
+class ReaderFit:
+    """One reader after the refit: relative output error on the calibration inputs, before and after."""
+
+    module: str
+    kept: int
+    total: int
+    error_before: float
+    error_after: float
+
+
+class _Stop(Exception):
+    """Every reader of the block has seen its input: the rest of the model need not run."""
+
+
+def _plan(width: Width, keep: Dict[str, int], skipped: List[int]) -> Dict[int, List[Tuple[str, nn.Module, Tensor]]]:
+    """Per block (in order), ``(name, reader, kept input features)`` of every reader that loses inputs."""
+    names = {id(m): n for n, m in width.model.named_modules()}
+    out: Dict[int, Dict[int, Tuple[str, nn.Module, List[Tensor]]]] = {}
+    for axis_name, n in keep.items():
+        axis = width.axes.get(axis_name)
+        if axis is None or axis_name == HIDDEN or n == axis.units:
+            continue
+        for g, removed in zip(axis.groups, axis.removed(n)):
+            gone = torch.zeros(axis.units, dtype=torch.bool)
+            gone[removed] = True
+            for reader, idx, unit_of in width._readers(g):
+                name = names[id(reader)]
+                where = _block_of(name, width.blocks_name)
+                if where is None or where[0] in skipped:
+                    continue
+                entry = out.setdefault(where[0], {}).setdefault(id(reader), (name, reader, []))
+                entry[2].append(idx[gone[unit_of]])
+    plan = {}
+    for block in sorted(out):
+        plan[block] = []
+        for name, reader, parts in out[block].values():
+            n_in = reader.weight.shape[1] if isinstance(reader, nn.Linear) else reader.weight.shape[0]
+            dropped = torch.zeros(n_in, dtype=torch.bool)
+            dropped[torch.cat(parts)] = True
+            plan[block].append((name, reader, (~dropped).nonzero().flatten()))
+    return plan
+
+
+def _gather(model: nn.Module, batches: List[Any], readers: List[nn.Module]) -> Dict[int, Tuple[Tensor, int]]:
+    """Second moment of every reader's inputs (with a constant 1 appended), as the model runs now."""
+    stats: Dict[int, List[Any]] = {id(r): [None, 0] for r in readers}
+    seen: set = set()
+    current: List[Optional[Tensor]] = [None]
+
+    def hook(module: nn.Module, args: Tuple[Any, ...]) -> None:
+        x = args[0].detach()
+        mask = current[0]
+        if mask is not None and x.dim() == 3 and tuple(x.shape[:2]) == tuple(mask.shape):
+            x = x[mask.to(x.device)]
+        x = x.reshape(-1, x.shape[-1]).double()
+        x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], 1)
+        s = stats[id(module)]
+        s[0] = x.T @ x if s[0] is None else s[0].add_(x.T @ x)
+        s[1] += x.shape[0]
+        seen.add(id(module))
+        if len(seen) == len(stats):
+            raise _Stop
+
+    handles: List[Any] = []
+
+    def body() -> None:
+        for r in readers:  # before the emulation's hooks: the reader's inputs as they arrive
+            handles.append(r.register_forward_pre_hook(hook, prepend=True))
+        for batch in batches:
+            seen.clear()
+            current[0] = token_mask(batch)
+            try:
+                forward(model, batch)
+            except _Stop:
+                pass
+
+    run_then_clean(body, lambda: [handles.pop().remove() for _ in list(handles)])
+    return {k: (v[0], v[1]) for k, v in stats.items()}
+
+
+def refit_readers(width: Width, keep: Dict[str, int], batches: List[Any], journal: Transaction,
+                  skipped: Optional[List[int]] = None, damp: float = 0.01) -> List[ReaderFit]:
+    """Refit every reader of removed heads/neurons, block by block; the weights change in place.
+
+    Run it with the model emulating its shrunk sizes (``keep``; ``skipped`` blocks are left
+    alone). Each weight (and bias) is recorded in ``journal`` before it changes. A refit that would
+    not lower the reader's output error is not applied.
+
+    Examples:
+        >>> import torch, transformers
+        >>> from prunekit.transaction import Transaction
+        >>> cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...                                num_hidden_layers=2, num_attention_heads=2)
+        >>> torch.manual_seed(0); model = transformers.LlamaForCausalLM(cfg).eval()
+        <torch._C.Generator object at ...>
+        >>> batches = [{"input_ids": torch.randint(0, 32, (4, 16))}]
+        >>> width = Width(model, batches[0]); width.score(batches)
+        >>> with width.emulated({"ffn": 8}):
+        ...     fits = refit_readers(width, {"ffn": 8}, batches, Transaction())
+        >>> [(f.module, f.kept, f.error_after < f.error_before) for f in fits]
+        [('model.layers.0.mlp.down_proj', 8, True), ('model.layers.1.mlp.down_proj', 8, True)]
+    """
+    fits: List[ReaderFit] = []
+    for block, readers in _plan(width, keep, list(skipped or [])).items():
+        stats = _gather(width.model, batches, [r for _, r, _ in readers])
+        for name, reader, kept in readers:
+            xtx, count = stats[id(reader)]
+            if xtx is None or count == 0:
+                continue
+            fits.append(_refit_one(name, reader, kept, xtx / count, journal, damp))
+    logger.info("shrink: refitted %d readers", len(fits))
+    return fits
+
+
+def _refit_one(name: str, reader: nn.Module, kept: Tensor, g: Tensor, journal: Transaction, damp: float) -> ReaderFit:
+    linear = isinstance(reader, nn.Linear)
+    w = reader.weight.detach() if linear else reader.weight.detach().T  # as (out, in)
+    n_in = w.shape[1]
+    bias = reader.bias
+    b = bias.detach().double() if bias is not None else torch.zeros(w.shape[0], dtype=torch.float64, device=w.device)
+    a = torch.cat([w.double(), b[:, None]], 1)
+    cols = torch.cat([kept, torch.tensor([n_in])]) if bias is not None else kept
+    if bias is None:  # no bias to absorb the constant: fit on the inputs alone
+        a, g = a[:, :n_in], g[:n_in, :n_in]
+    masked = torch.zeros_like(a)
+    masked[:, cols] = a[:, cols]
+    before = output_error(a, masked, g)
+    new = refit_columns(a, g, cols, damp)
+    after = output_error(a, new, g)
+    if after < before:
+        with torch.no_grad():
+            journal.tensor(reader.weight)
+            target = reader.weight if linear else reader.weight.T
+            target[:, kept] = new[:, kept].to(target.dtype)
+            if bias is not None:
+                journal.tensor(bias)
+                bias.copy_(new[:, n_in].to(bias.dtype))
+    return ReaderFit(name, int(kept.numel()), n_in, before, min(before, after))
