@@ -1,6 +1,6 @@
-"""Attention built from projection layers: Llama / Mistral / Qwen2 (grouped-query), ViT,
-DistilBERT, T5 (with its relative position bias), GPT-2 (fused ``Conv1D`` qkv), and
-cross-attention in any of them.
+"""Attention built from projection layers: Llama / Mistral / Qwen2 (grouped-query), OPT,
+Phi-3 (fused ``qkv_proj``), ViT, DistilBERT, T5 (with its relative position bias), GPT-2
+(fused ``Conv1D`` qkv), and cross-attention in any of them.
 
 The attention module is one leaf: its handler knows where each head lives in the
 projections (a :class:`Layout`, detected from the module's attributes, never from
@@ -125,14 +125,24 @@ def layout_of(m: nn.Module) -> Optional[Layout]:
         >>> lay.heads, lay.kv_heads, lay.qk_dim
         (4, 2, 8)
     """
-    # Llama, Mistral, Qwen2, ViT (transformers 5) and most decoders: q/k/v/o_proj + head_dim
-    q, k, v, o = (_linear(m, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    # Llama, Mistral, Qwen2, ViT (transformers 5) and most decoders: q/k/v/o_proj + head_dim;
+    # OPT: q/k/v_proj + out_proj
+    q, k, v = (_linear(m, n) for n in ("q_proj", "k_proj", "v_proj"))
+    o_name = "o_proj" if _linear(m, "o_proj") else "out_proj"
+    o = _linear(m, o_name)
     hd = _int(m, "head_dim")
     if q and k and v and o and hd:
         split = _split(q, k, v, hd, _int(m, "v_head_dim"))
         if split and o.in_features == split[0] * split[2]:
-            return Layout(Proj("q_proj"), Proj("k_proj"), Proj("v_proj"), Proj("o_proj"), split[0], split[1], hd, split[2],
-                          family="q_proj/k_proj/v_proj/o_proj")
+            return Layout(Proj("q_proj"), Proj("k_proj"), Proj("v_proj"), Proj(o_name), split[0], split[1], hd, split[2],
+                          family=f"q_proj/k_proj/v_proj/{o_name}")
+    # Phi-3: one fused qkv_proj (query heads, then key heads, then value heads) + o_proj
+    qkv, o, kv = _linear(m, "qkv_proj"), _linear(m, "o_proj"), _int(m, "num_key_value_heads")
+    if qkv and o and hd and kv and o.in_features % hd == 0:
+        heads = o.in_features // hd
+        if heads % kv == 0 and qkv.out_features == (heads + 2 * kv) * hd:
+            return Layout(Proj("qkv_proj"), Proj("qkv_proj", heads * hd), Proj("qkv_proj", (heads + kv) * hd),
+                          Proj("o_proj"), heads, kv, hd, hd, family="Phi-3")
     # DistilBERT
     q, k, v, o = (_linear(m, n) for n in ("q_lin", "k_lin", "v_lin", "out_lin"))
     hd = _int(m, "attention_head_size")
@@ -182,7 +192,7 @@ def _layout(m: nn.Module) -> Layout:
     return lay
 
 
-_FIRST_PROJECTIONS = frozenset({"q_proj", "q_lin", "q", "c_attn", "query"})
+_FIRST_PROJECTIONS = frozenset({"q_proj", "qkv_proj", "q_lin", "q", "c_attn", "query"})
 
 
 def _is_projection_attention(m: nn.Module) -> bool:
