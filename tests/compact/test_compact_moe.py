@@ -1,0 +1,174 @@
+"""Compaction of transformers-5 mixture-of-experts blocks (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+The router (``mlp.gate``, a bare ``weight [E, H]``) and the experts module (3-D
+``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``) are leaves: their hidden-size axes
+belong to the hidden group, and the experts' feed-forward neurons form one group shared
+by every expert. Widths are kept multiples of 8 (``round_to=8``): ``torch._grouped_mm``,
+the default experts implementation, needs rows of a multiple of 16 bytes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+import shrink_models as sm  # noqa: E402
+from prunekit.compact import (  # noqa: E402
+    build_dependency_graph,
+    compact,
+    compaction_description,
+    load_compacted,
+    prune_groups,
+    save_compacted,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LAYERS = 2
+HIDDEN, EXPERTS = 32, 4
+EXPERT_FFN = {"mixtral": 48, "qwen2_moe": 24, "qwen3_moe": 24}
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    yield
+    transformers.logging.set_verbosity(verbosity)
+
+
+def _make(family):
+    return sm.build(family, num_hidden_layers=LAYERS)
+
+
+def _x(family):
+    return sm.batches(family, n=1)[0]
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def _group_of(graph, key):
+    found = [g for g in graph.groups if key in g.slots]
+    assert len(found) == 1, key
+    return found[0]
+
+
+@pytest.mark.parametrize("family", sm.MOE)
+def test_router_and_experts_read_and_write_the_hidden_size(family):
+    model = _make(family)
+    x = _x(family)
+    dense = sm.output(model, x)
+    graph = build_dependency_graph(model, x, exact=False)
+    assert torch.equal(sm.output(model, x), dense)  # tracing changed nothing
+    hidden = _group_of(graph, ("model.norm", "features"))
+    assert hidden.prunable and hidden.n_units == HIDDEN
+    for i in range(LAYERS):
+        mlp = f"model.layers.{i}.mlp"
+        assert {(f"{mlp}.gate", "in"), (f"{mlp}.experts", "in"), (f"{mlp}.experts", "out")} <= set(hidden.slots)
+        ffn = _group_of(graph, (f"{mlp}.experts", "down_in"))
+        assert set(ffn.slots) == {(f"{mlp}.experts", "up"), (f"{mlp}.experts", "down_in")}
+        assert ffn.prunable and ffn.n_units == EXPERT_FFN[family]
+    # exact=True: the same group, blocked by the RMS norms it passes through
+    exact = _group_of(build_dependency_graph(model, x), ("model.norm", "features"))
+    assert not exact.prunable and "normalizes over these features" in exact.blocked
+    assert ("model.layers.0.mlp.gate", "in") in exact.slots
+
+
+def test_qwen2_moe_shared_expert_gate_stays_and_does_not_couple_the_hidden_size():
+    model = _make("qwen2_moe")
+    graph = build_dependency_graph(model, _x("qwen2_moe"), exact=False)
+    hidden = _group_of(graph, ("model.norm", "features"))
+    assert hidden.n_units == HIDDEN and hidden.prunable
+    for i in range(LAYERS):
+        mlp = f"model.layers.{i}.mlp"
+        assert (f"{mlp}.shared_expert_gate", "in") in hidden.slots
+        gate_out = _group_of(graph, (f"{mlp}.shared_expert_gate", "out"))
+        assert gate_out.slots == ((f"{mlp}.shared_expert_gate", "out"),) and not gate_out.prunable
+        assert "single output channel" in gate_out.blocked
+        shared = _group_of(graph, (f"{mlp}.shared_expert.gate_proj", "out"))
+        assert shared.prunable and shared.n_units == 40
+        assert (f"{mlp}.shared_expert.down_proj", "in") in shared.slots
+
+
+def _check_moe_shapes(small, family, hidden, ffn):
+    for i in range(LAYERS):
+        mlp = small.model.layers[i].mlp
+        assert tuple(mlp.gate.weight.shape) == (EXPERTS, hidden) and mlp.gate.hidden_dim == hidden
+        assert tuple(mlp.experts.gate_up_proj.shape) == (EXPERTS, 2 * ffn, hidden)
+        assert tuple(mlp.experts.down_proj.shape) == (EXPERTS, hidden, ffn)
+        assert mlp.experts.hidden_dim == hidden and mlp.experts.intermediate_dim == ffn
+        if family == "qwen2_moe":
+            assert tuple(mlp.shared_expert_gate.weight.shape) == (1, hidden)
+
+
+@pytest.mark.parametrize("family", sm.MOE)
+def test_approximate_hidden_size_compacts_router_and_experts(family, tmp_path):
+    model = _make(family)
+    x = _x(family)
+    graph = build_dependency_graph(model, x, exact=False)
+    decisions = prune_groups(model, x, 0.25, graph=graph, round_to=8)
+    removed = {(d.total, len(d.removed)) for d in decisions}
+    assert (HIDDEN, 8) in removed  # the hidden size: 32 -> 24
+    ffn = EXPERT_FFN[family] - next(len(d.removed) for d in decisions if d.total == EXPERT_FFN[family])
+    assert ffn % 4 == 0  # rows of ffn float32 values: a multiple of 16 bytes
+    small = compact(model, x, graph=graph)
+    _check_moe_shapes(small, family, 24, ffn)
+    masked = sm.output(model, x)
+    err = _rel(sm.output(small, x), masked)
+    desc = compaction_description(small)
+    assert 1e-3 < err == pytest.approx(desc["approximate"]["output_relative_error"], rel=1e-3)
+    assert desc["hf_config"].startswith("not updated")
+    # every experts implementation runs the compacted experts alike
+    grouped = sm.output(small, x)
+    for impl in ("eager", "batched_mm"):
+        small.config._experts_implementation = impl
+        assert _rel(sm.output(small, x), grouped) < 1e-5
+    small.config._experts_implementation = "grouped_mm"
+    # the description rebuilds the 3-D expert tensors and the routers from the original class
+    save_compacted(small, tmp_path / "small.pt")
+    saved = torch.load(tmp_path / "small.pt", weights_only=True)
+    again = load_compacted(_make(family), saved["state_dict"], saved["description"])
+    _check_moe_shapes(again, family, 24, ffn)
+    assert torch.equal(sm.output(again, x), grouped)
+
+
+@pytest.mark.parametrize("family", sm.MOE)
+def test_heads_and_expert_neurons_compact_exactly(family):
+    model = _make(family)
+    x = _x(family)
+    dense = sm.output(model, x)
+    decisions = prune_groups(model, x, 0.5, uniform=True)
+    ffn = EXPERT_FFN[family]
+    assert sorted((d.total, len(d.removed)) for d in decisions if d.total in (2, ffn)) == (
+        [(2, 1)] * LAYERS + [(ffn, ffn // 2)] * LAYERS)
+    masked = sm.output(model, x)
+    assert not torch.equal(masked, dense)
+    small = compact(model, x)
+    assert _rel(sm.output(small, x), masked) < 1e-5
+    _check_moe_shapes(small, family, HIDDEN, ffn // 2)
+    attn = small.model.layers[0].self_attn
+    assert attn.q_proj.out_features == 2 * attn.head_dim and attn.k_proj.out_features == attn.head_dim
+    if family == "qwen2_moe":
+        assert small.model.layers[0].mlp.shared_expert.gate_proj.out_features == 20
+
+
+def test_expert_neuron_is_removed_only_when_every_expert_drops_it():
+    from prunekit.compact import zero_units
+
+    model = _make("mixtral")
+    x = _x("mixtral")
+    experts = model.model.layers[0].mlp.experts
+    with torch.no_grad():
+        experts.down_proj[:, :, 4:8] = 0  # neurons 4..7: their down_proj columns, in every expert
+        experts.down_proj[1:, :, 9] = 0  # neuron 9: expert 0 still reads it
+    graph = build_dependency_graph(model, x)
+    gi = graph.groups.index(_group_of(graph, ("model.layers.0.mlp.experts", "down_in")))
+    assert zero_units(graph)[gi] == [4, 5, 6, 7]
+    small = compact(model, x)
+    assert tuple(small.model.layers[0].mlp.experts.down_proj.shape) == (EXPERTS, HIDDEN, 44)
+    assert tuple(small.model.layers[0].mlp.experts.gate_up_proj.shape) == (EXPERTS, 88, HIDDEN)
+    assert _rel(sm.output(small, x), sm.output(model, x)) < 1e-5
