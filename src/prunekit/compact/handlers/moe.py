@@ -16,6 +16,12 @@ matched by their attributes (``transformers`` is never imported here):
 
 Whole experts and per-expert widths are not units here (their routing changes the
 output); removing experts is model surgery of its own.
+
+``torch._grouped_mm`` (``transformers``' default experts implementation) needs rows of a
+multiple of 16 bytes: keep the hidden and expert widths multiples of 8
+(``prune_groups(..., round_to=8)``), or run the experts with
+``config._experts_implementation = "eager"``; otherwise the compacted model fails
+:func:`~prunekit.compact.compact`'s check and the model is left as it was.
 """
 
 from __future__ import annotations

@@ -18,6 +18,12 @@ query heads are removed evenly, the key/value projections are kept).
 Every tensor indexed by heads is coupled to the heads: T5's relative position bias
 (the embedding's columns, and the bias tensor the first layer hands to every later
 layer, which ties head ``h`` of all layers together).
+
+Phi-3's attention splits ``qkv_proj`` where the model's ``config.num_attention_heads``
+says, so its compacted heads run once that config is updated: every layer keeps the same
+number of heads (``prune_groups(..., uniform=True)``) and :mod:`prunekit.compact.hf_config`
+updates the config; otherwise :func:`~prunekit.compact.compact`'s check fails and the
+model is left as it was.
 """
 
 from __future__ import annotations
