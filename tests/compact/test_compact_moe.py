@@ -172,3 +172,23 @@ def test_expert_neuron_is_removed_only_when_every_expert_drops_it():
     assert tuple(small.model.layers[0].mlp.experts.down_proj.shape) == (EXPERTS, HIDDEN, 44)
     assert tuple(small.model.layers[0].mlp.experts.gate_up_proj.shape) == (EXPERTS, 88, HIDDEN)
     assert _rel(sm.output(small, x), sm.output(model, x)) < 1e-5
+
+
+def test_gpt_oss_transposed_interleaved_biased_experts_and_attention_sinks():
+    cfg = transformers.GptOssConfig(vocab_size=64, hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=LAYERS,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=EXPERTS,
+                                    num_experts_per_tok=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(cfg).eval()
+    x = _x("mixtral")
+    experts = model.model.layers[0].mlp.experts  # gate_up_proj [E, H, 2I]: gate and up columns alternate
+    assert tuple(experts.gate_up_proj.shape) == (EXPERTS, HIDDEN, 64) and experts.is_transposed
+    decisions = prune_groups(model, x, 0.5, uniform=True)
+    assert sorted((d.total, len(d.removed)) for d in decisions) == [(2, 1)] * LAYERS + [(32, 16)] * LAYERS
+    masked = sm.output(model, x)
+    small = compact(model, x)
+    assert _rel(sm.output(small, x), masked) < 1e-5
+    experts, attn = small.model.layers[0].mlp.experts, small.model.layers[0].self_attn
+    assert tuple(experts.gate_up_proj.shape) == (EXPERTS, HIDDEN, 32) and tuple(experts.gate_up_proj_bias.shape) == (EXPERTS, 32)
+    assert tuple(experts.down_proj.shape) == (EXPERTS, 16, HIDDEN) and experts.intermediate_size == 16
+    assert tuple(attn.sinks.shape) == (2,)  # one attention sink per query head left

@@ -17,7 +17,7 @@ query heads are removed evenly, the key/value projections are kept).
 
 Every tensor indexed by heads is coupled to the heads: T5's relative position bias
 (the embedding's columns, and the bias tensor the first layer hands to every later
-layer, which ties head ``h`` of all layers together).
+layer, which ties head ``h`` of all layers together), GPT-OSS's attention sinks.
 
 Phi-3's attention splits ``qkv_proj`` where the model's ``config.num_attention_heads``
 says, so its compacted heads run once that config is updated: every layer keeps the same
@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ... import reparam
 from .base import Entry, ModuleHandler, Slot, TracerAPI, arg, first, has_tensor, register_handler
 from ..proofs.constants import affine_row_values
 
@@ -206,6 +207,15 @@ def _is_projection_attention(m: nn.Module) -> bool:
     return not _FIRST_PROJECTIONS.isdisjoint(m._modules) and layout_of(m) is not None
 
 
+def _per_head(m: nn.Module, lay: Layout) -> List[Entry]:
+    """Tensors with one entry per query head: T5's relative position bias, GPT-OSS's attention sinks."""
+    out = [Entry(f"{lay.relative_bias}.weight", 1)] if lay.relative_bias else []
+    sinks = reparam.stored(m, "sinks")
+    if sinks is not None and tuple(sinks.shape) == (lay.heads,):
+        out.append(Entry("sinks", 0))
+    return out
+
+
 def _rows(p: Proj, m: nn.Module, offset: int = 0) -> List[Entry]:
     e = [Entry(f"{p.path}.weight", p.out_axis, p.offset + offset)]
     if has_tensor(m, f"{p.path}.bias"):
@@ -234,7 +244,7 @@ class ProjectionAttentionHandler(ModuleHandler):
             "q": Slot(lay.heads * lay.qk_dim, _rows(lay.q, m), role="heads"),
             "k": Slot(lay.kv_heads * lay.qk_dim, _rows(lay.k, m), role="heads"),
             "v": Slot(lay.kv_heads * lay.v_dim, _rows(lay.v, m), role="heads"),
-            "heads": Slot(lay.heads, [Entry(f"{lay.relative_bias}.weight", 1)] if lay.relative_bias else [], role="heads"),
+            "heads": Slot(lay.heads, _per_head(m, lay), role="heads"),
         }
         if lay.cross or lay.kv_arg:
             slots["kv_in"] = Slot(_in_size(m, lay.k), _cols(lay.k, lay.v), role="in")
