@@ -45,7 +45,9 @@ def _attention_group(graph, attn):
 @pytest.mark.parametrize("gqa, slots", [("groups", ("q", "k", "v", "o_in", "heads")), ("query_heads", ("q", "o_in", "heads"))])
 def test_phi3_fused_qkv_heads_are_units(gqa, slots):
     model = _make("phi3")  # 4 query heads of 8 in 2 key/value groups, one qkv_proj of (4 + 2 + 2) * 8 rows
+    dense = sm.output(model, _x("phi3"))
     grp = _attention_group(build_dependency_graph(model, _x("phi3"), gqa=gqa), "model.layers.0.self_attn")
+    assert torch.equal(sm.output(model, _x("phi3")), dense)  # tracing changed nothing
     assert grp.prunable and grp.n_units == 2  # key/value groups, or the j-th query head of every group
     assert set(grp.slots) == {("model.layers.0.self_attn", s) for s in slots}
 
@@ -84,9 +86,10 @@ def test_phi3_heads_and_ffn_round_trip_through_from_pretrained(tmp_path):
 def test_opt_heads_and_ffn_compact_exactly():
     model = _make("opt")
     x = _x("opt")
+    dense = sm.output(model, x)
     grp = _attention_group(build_dependency_graph(model, x), "model.decoder.layers.0.self_attn")
     assert grp.prunable and grp.n_units == 4
-    dense = sm.output(model, x)
+    assert torch.equal(sm.output(model, x), dense)  # tracing changed nothing
     decisions = prune_groups(model, x, 0.5, uniform=True)
     assert sorted((d.total, len(d.removed)) for d in decisions) == [(4, 2)] * LAYERS + [(48, 24)] * LAYERS
     masked = sm.output(model, x)

@@ -98,10 +98,6 @@ def experts_layout(m: nn.Module) -> Optional[ExpertsLayout]:
     return ExpertsLayout(up, n, up_in, inter, gated, not bool(getattr(m, "is_concatenated", True)), transposed)
 
 
-def _bias(m: nn.Module, path: str) -> bool:
-    return bool(getattr(m, "has_bias", False)) and has_tensor(m, path)
-
-
 @register_handler(predicate=lambda m: experts_layout(m) is not None)
 class ExpertsHandler(ModuleHandler):
     """The experts module of a ``transformers`` mixture-of-experts block (see the module docstring).
@@ -113,10 +109,10 @@ class ExpertsHandler(ModuleHandler):
     def slots(self, m: nn.Module) -> Dict[str, Slot]:
         lay = _layout(m)
         up_rows = [Entry(lay.up, lay.out_axis)]
-        if _bias(m, f"{lay.up}_bias"):
+        if has_tensor(m, f"{lay.up}_bias"):
             up_rows.append(Entry(f"{lay.up}_bias", 1))
         out_rows = [Entry("down_proj", lay.out_axis)]
-        if _bias(m, "down_proj_bias"):
+        if has_tensor(m, "down_proj_bias"):
             out_rows.append(Entry("down_proj_bias", 1))
         return {
             "in": Slot(lay.hidden, [Entry(lay.up, lay.in_axis, 0, "in")], role="in"),
@@ -140,7 +136,7 @@ class ExpertsHandler(ModuleHandler):
         # routing scales and sums experts' outputs: a channel whose down_proj rows are zero in every
         # expert is zero (with per-expert biases it would depend on the routing)
         values = None
-        if not _bias(m, "down_proj_bias"):
+        if not has_tensor(m, "down_proj_bias"):
             values = affine_row_values(m, "down_proj", None, None, lay.out_axis, lay.in_axis)
         tracer.emit(first(output), -1, ids["out"], values)
 
