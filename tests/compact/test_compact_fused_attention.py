@@ -1,5 +1,5 @@
 """Attention heads of Phi-3 (one fused ``qkv_proj``, grouped-query) and OPT (``out_proj``), and the
-Hugging Face config update of the families that reuse the Llama layout (Gemma, Gemma 2)."""
+Hugging Face config update of the families that reuse the Llama layout (Qwen3, Gemma, Gemma 2 and 3)."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def test_opt_ffn_round_trips_through_from_pretrained(tmp_path):
     assert again.config.ffn_dim == 24 and again.model.decoder.layers[1].fc1.out_features == 24
 
 
-@pytest.mark.parametrize("family", ["gemma", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma", "gemma2", "gemma3_text"])
 def test_llama_layout_families_round_trip_through_from_pretrained(family, tmp_path):
     model = _make(family)
     x = _x(family)
