@@ -1,10 +1,10 @@
-"""Compaction of transformers-5 mixture-of-experts blocks (Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""Compaction of transformers-5 mixture-of-experts blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS).
 
 The router (``mlp.gate``, a bare ``weight [E, H]``) and the experts module (3-D
 ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``) are leaves: their hidden-size axes
-belong to the hidden group, and the experts' feed-forward neurons form one group shared
-by every expert. Widths are kept multiples of 8 (``round_to=8``): ``torch._grouped_mm``,
-the default experts implementation, needs rows of a multiple of 16 bytes.
+belong to the hidden group; the experts' FFN neurons are one blocked group (prunekit.shrink
+removes them). The hidden size stays a multiple of 8: ``torch._grouped_mm``, the default
+experts implementation, needs rows of a multiple of 16 bytes.
 """
 
 from __future__ import annotations
@@ -71,7 +71,13 @@ def test_router_and_experts_read_and_write_the_hidden_size(family):
         assert {(f"{mlp}.gate", "in"), (f"{mlp}.experts", "in"), (f"{mlp}.experts", "out")} <= set(hidden.slots)
         ffn = _group_of(graph, (f"{mlp}.experts", "down_in"))
         assert set(ffn.slots) == {(f"{mlp}.experts", "up"), (f"{mlp}.experts", "down_in")}
-        assert ffn.prunable and ffn.n_units == EXPERT_FFN[family]
+        n = EXPERT_FFN[family]
+        assert ffn.n_units == n
+        index = ffn.member_index()
+        for slot, want in (("up", [3, n + 3]), ("down_in", [3])):  # neuron 3: gate row 3, up row n + 3, column 3
+            idx, unit_of = index[(f"{mlp}.experts", slot)]
+            assert sorted(idx[unit_of == unit_of[idx == 3][0]].tolist()) == want
+        assert not ffn.prunable and "prunekit.shrink.shrink_expert_ffn" in ffn.blocked
     # exact=True: the same group, blocked by the RMS norms it passes through
     exact = _group_of(build_dependency_graph(model, x), ("model.norm", "features"))
     assert not exact.prunable and "normalizes over these features" in exact.blocked
@@ -110,13 +116,10 @@ def test_approximate_hidden_size_compacts_router_and_experts(family, tmp_path):
     model = _make(family)
     x = _x(family)
     graph = build_dependency_graph(model, x, exact=False)
-    decisions = prune_groups(model, x, 0.25, graph=graph, round_to=8)
-    removed = {(d.total, len(d.removed)) for d in decisions}
-    assert (HIDDEN, 8) in removed  # the hidden size: 32 -> 24
-    ffn = EXPERT_FFN[family] - next(len(d.removed) for d in decisions if d.total == EXPERT_FFN[family])
-    assert ffn % 4 == 0  # rows of ffn float32 values: a multiple of 16 bytes
+    decisions = prune_groups(model, x, 0.25, graph=graph)
+    assert (HIDDEN, 8) in {(d.total, len(d.removed)) for d in decisions}  # the hidden size: 32 -> 24
     small = compact(model, x, graph=graph)
-    _check_moe_shapes(small, family, 24, ffn)
+    _check_moe_shapes(small, family, 24, EXPERT_FFN[family])
     masked = sm.output(model, x)
     err = _rel(sm.output(small, x), masked)
     desc = compaction_description(small)
@@ -132,63 +135,72 @@ def test_approximate_hidden_size_compacts_router_and_experts(family, tmp_path):
     save_compacted(small, tmp_path / "small.pt")
     saved = torch.load(tmp_path / "small.pt", weights_only=True)
     again = load_compacted(_make(family), saved["state_dict"], saved["description"])
-    _check_moe_shapes(again, family, 24, ffn)
+    _check_moe_shapes(again, family, 24, EXPERT_FFN[family])
     assert torch.equal(sm.output(again, x), grouped)
 
 
 @pytest.mark.parametrize("family", sm.MOE)
-def test_heads_and_expert_neurons_compact_exactly(family):
+def test_heads_and_shared_expert_compact_exactly_and_experts_stay(family):
     model = _make(family)
     x = _x(family)
     dense = sm.output(model, x)
     decisions = prune_groups(model, x, 0.5, uniform=True)
-    ffn = EXPERT_FFN[family]
-    assert sorted((d.total, len(d.removed)) for d in decisions if d.total in (2, ffn)) == (
-        [(2, 1)] * LAYERS + [(ffn, ffn // 2)] * LAYERS)
+    shared = [(40, 20)] * LAYERS if family == "qwen2_moe" else []
+    assert sorted((d.total, len(d.removed)) for d in decisions) == [(2, 1)] * LAYERS + shared
     masked = sm.output(model, x)
     assert not torch.equal(masked, dense)
     small = compact(model, x)
     assert _rel(sm.output(small, x), masked) < 1e-5
-    _check_moe_shapes(small, family, HIDDEN, ffn // 2)
+    _check_moe_shapes(small, family, HIDDEN, EXPERT_FFN[family])
     attn = small.model.layers[0].self_attn
     assert attn.q_proj.out_features == 2 * attn.head_dim and attn.k_proj.out_features == attn.head_dim
     if family == "qwen2_moe":
         assert small.model.layers[0].mlp.shared_expert.gate_proj.out_features == 20
 
 
-def test_expert_neuron_is_removed_only_when_every_expert_drops_it():
-    from prunekit.compact import zero_units
-
+def test_masked_expert_neurons_stay_and_say_why():
     model = _make("mixtral")
     x = _x("mixtral")
-    experts = model.model.layers[0].mlp.experts
     with torch.no_grad():
-        experts.down_proj[:, :, 4:8] = 0  # neurons 4..7: their down_proj columns, in every expert
-        experts.down_proj[1:, :, 9] = 0  # neuron 9: expert 0 still reads it
-    graph = build_dependency_graph(model, x)
-    gi = graph.groups.index(_group_of(graph, ("model.layers.0.mlp.experts", "down_in")))
-    assert zero_units(graph)[gi] == [4, 5, 6, 7]
+        model.model.layers[0].mlp.experts.down_proj[:, :, 4:8] = 0  # neurons 4..7 read by no expert
+    prune_groups(model, x, 0.5, uniform=True)  # heads, so that compact has something to remove
     small = compact(model, x)
-    assert tuple(small.model.layers[0].mlp.experts.down_proj.shape) == (EXPERTS, HIDDEN, 44)
-    assert tuple(small.model.layers[0].mlp.experts.gate_up_proj.shape) == (EXPERTS, 88, HIDDEN)
+    assert tuple(small.model.layers[0].mlp.experts.down_proj.shape) == (EXPERTS, HIDDEN, 48)
+    kept = [k for k in compaction_description(small)["kept"] if "model.layers.0.mlp.experts.down_in" in k["channels"]]
+    assert len(kept) == 1 and kept[0]["units"] == [4, 5, 6, 7]
+    assert "shrink_expert_ffn" in kept[0]["reason"]
     assert _rel(sm.output(small, x), sm.output(model, x)) < 1e-5
 
 
-def test_gpt_oss_transposed_interleaved_biased_experts_and_attention_sinks():
+def _gpt_oss():
     cfg = transformers.GptOssConfig(vocab_size=64, hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=LAYERS,
                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=EXPERTS,
                                     num_experts_per_tok=2, max_position_embeddings=64)
     torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(cfg).eval()
+    return transformers.GptOssForCausalLM(cfg).eval()
+
+
+def test_gpt_oss_transposed_biased_experts_and_attention_sinks():
     x = _x("mixtral")
-    experts = model.model.layers[0].mlp.experts  # gate_up_proj [E, H, 2I]: gate and up columns alternate
+    model = _gpt_oss()
+    experts = model.model.layers[0].mlp.experts  # gate_up_proj [E, H, 2I] with biases: its input axis is 1
     assert tuple(experts.gate_up_proj.shape) == (EXPERTS, HIDDEN, 64) and experts.is_transposed
     decisions = prune_groups(model, x, 0.5, uniform=True)
-    assert sorted((d.total, len(d.removed)) for d in decisions) == [(2, 1)] * LAYERS + [(32, 16)] * LAYERS
+    assert sorted((d.total, len(d.removed)) for d in decisions) == [(2, 1)] * LAYERS
     masked = sm.output(model, x)
     small = compact(model, x)
     assert _rel(sm.output(small, x), masked) < 1e-5
-    experts, attn = small.model.layers[0].mlp.experts, small.model.layers[0].self_attn
-    assert tuple(experts.gate_up_proj.shape) == (EXPERTS, HIDDEN, 32) and tuple(experts.gate_up_proj_bias.shape) == (EXPERTS, 32)
-    assert tuple(experts.down_proj.shape) == (EXPERTS, 16, HIDDEN) and experts.intermediate_size == 16
-    assert tuple(attn.sinks.shape) == (2,)  # one attention sink per query head left
+    assert tuple(small.model.layers[0].self_attn.sinks.shape) == (2,)  # one attention sink per query head left
+    # the hidden size through transposed expert weights and per-expert biases
+    model = _gpt_oss()
+    graph = build_dependency_graph(model, x, exact=False)
+    up, unit_of = _group_of(graph, ("model.layers.0.mlp.experts", "up")).member_index()[("model.layers.0.mlp.experts", "up")]
+    assert sorted(up[unit_of == unit_of[up == 6][0]].tolist()) == [6, 7]  # interleaved: neuron 3 is gate/up rows 6, 7
+    prune_groups(model, x, 0.25, graph=graph)
+    small = compact(model, x, graph=graph)
+    experts, router = small.model.layers[0].mlp.experts, small.model.layers[0].mlp.router
+    assert tuple(experts.gate_up_proj.shape) == (EXPERTS, 24, 64) and tuple(experts.gate_up_proj_bias.shape) == (EXPERTS, 64)
+    assert tuple(experts.down_proj.shape) == (EXPERTS, 32, 24) and tuple(experts.down_proj_bias.shape) == (EXPERTS, 24)
+    assert tuple(router.weight.shape) == (EXPERTS, 24) and experts.hidden_size == 24
+    err = compaction_description(small)["approximate"]["output_relative_error"]
+    assert 1e-3 < err == pytest.approx(_rel(sm.output(small, x), sm.output(model, x)), rel=1e-3)

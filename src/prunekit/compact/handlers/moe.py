@@ -10,18 +10,18 @@ matched by their attributes (``transformers`` is never imported here):
 * the router reads the hidden size (``weight`` axis 1); its outputs are routing
   decisions, not channels, so they carry no channel labels;
 * the experts module reads the hidden size (``gate_up_proj``'s input axis) and writes
-  it (``down_proj``'s output axis); its feed-forward neurons are one group shared by
-  every expert: neuron ``j`` is gate row ``j``, up row ``I + j`` (``j``-th pair when the
-  layout is interleaved) and ``down_proj`` column ``j`` of every expert.
-
-Whole experts and per-expert widths are not units here (their routing changes the
-output); removing experts is model surgery of its own.
+  it (``down_proj``'s output axis). Its feed-forward neurons are described as one unit
+  per neuron index -- gate row ``j``, up row ``I + j`` (the ``j``-th pair when the layout
+  is interleaved) and ``down_proj`` column ``j`` of every expert -- and blocked: whole
+  experts and expert FFN neurons (which may differ per expert) are removed by
+  :mod:`prunekit.shrink` (``remove_experts``, ``shrink_expert_ffn``), which also
+  updates the config.
 
 ``torch._grouped_mm`` (``transformers``' default experts implementation) needs rows of a
-multiple of 16 bytes: keep the hidden and expert widths multiples of 8
-(``prune_groups(..., round_to=8)``), or run the experts with
-``config._experts_implementation = "eager"``; otherwise the compacted model fails
-:func:`~prunekit.compact.compact`'s check and the model is left as it was.
+multiple of 16 bytes: keep the hidden size a multiple of 8 (``prune_groups(...,
+round_to=8)``), or run the experts with ``config._experts_implementation = "eager"``;
+otherwise the compacted model fails :func:`~prunekit.compact.compact`'s check and the
+model is left as it was.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class ExpertsHandler(ModuleHandler):
     """The experts module of a ``transformers`` mixture-of-experts block (see the module docstring).
 
     Slots: ``in`` (hidden, read), ``out`` (hidden, written), ``up`` (the rows of ``gate_up_proj``
-    or ``up_proj``) and ``down_in`` (``down_proj``'s columns), tied per neuron.
+    or ``up_proj``) and ``down_in`` (``down_proj``'s columns), tied per neuron and blocked.
     """
 
     def slots(self, m: nn.Module) -> Dict[str, Slot]:
@@ -133,6 +133,8 @@ class ExpertsHandler(ModuleHandler):
         else:  # all gate rows, then all up rows
             up = ids["up"].view(2, n).t()
         tracer.tie(torch.cat([up, ids["down_in"].view(n, 1)], dim=1))
+        tracer.block(ids["down_in"], f"the FFN neurons of experts '{name}' are removed by "
+                     "prunekit.shrink.shrink_expert_ffn (per expert, with the config), not by compaction")
         # routing scales and sums experts' outputs: a channel whose down_proj rows are zero in every
         # expert is zero (with per-expert biases it would depend on the routing)
         values = None
