@@ -124,7 +124,10 @@ def test_approximate_hidden_size_compacts_router_and_experts(family, tmp_path):
     err = _rel(sm.output(small, x), masked)
     desc = compaction_description(small)
     assert 1e-3 < err == pytest.approx(desc["approximate"]["output_relative_error"], rel=1e-3)
-    assert desc["hf_config"].startswith("not updated")
+    if family == "qwen2_moe":  # its config follows (see test_qwen2_moe_config_follows_...)
+        assert desc["hf_config"] == "updated"
+    else:  # Mixtral and Qwen3-MoE have no config family yet
+        assert desc["hf_config"].startswith("not updated") and "not known" in desc["hf_config"]
     # every experts implementation runs the compacted experts alike
     grouped = sm.output(small, x)
     for impl in ("eager", "batched_mm"):
@@ -204,3 +207,31 @@ def test_gpt_oss_transposed_biased_experts_and_attention_sinks():
     assert tuple(router.weight.shape) == (EXPERTS, 24) and experts.hidden_size == 24
     err = compaction_description(small)["approximate"]["output_relative_error"]
     assert 1e-3 < err == pytest.approx(_rel(sm.output(small, x), sm.output(model, x)), rel=1e-3)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_qwen2_moe_config_follows_heads_shared_expert_and_hidden(exact, tmp_path):
+    model = _make("qwen2_moe")
+    x = _x("qwen2_moe")
+    graph = build_dependency_graph(model, x, exact=exact)
+    prune_groups(model, x, 0.5 if exact else 0.25, graph=graph, uniform=True)
+    small = compact(model, x, graph=graph)
+    assert compaction_description(small)["hf_config"] == "updated"
+    cfg = small.config
+    want = (32, 2, 1, 20) if exact else (24, 4, 2, 30)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.shared_expert_intermediate_size) == want
+    assert cfg.moe_intermediate_size == 24 and cfg.head_dim == 8  # the routed experts keep their width
+    small.save_pretrained(tmp_path)
+    again = type(small).from_pretrained(tmp_path).eval()
+    assert torch.equal(sm.output(again, x), sm.output(small, x))
+
+
+def test_qwen2_moe_dense_blocks_of_another_width_leave_the_config():
+    model = sm.build("qwen2_moe", num_hidden_layers=LAYERS, mlp_only_layers=[1])  # block 1: a dense MLP of 48
+    x = _x("qwen2_moe")
+    prune_groups(model, x, 0.5, uniform=True)
+    small = compact(model, x)
+    assert small.model.layers[1].mlp.gate_proj.out_features == 24
+    assert small.model.layers[0].mlp.shared_expert.gate_proj.out_features == 20
+    desc = compaction_description(small)
+    assert desc["hf_config"].startswith("not updated") and "feed-forward size differs" in desc["hf_config"]
