@@ -522,3 +522,33 @@ def test_count_macs_counts_transposed_convolutions():
     up = nn.ConvTranspose2d(4, 6, 3, stride=2)
     x = torch.randn(2, 4, 5, 5)
     assert count_macs(up, x) == 2 * 4 * 5 * 5 * 6 * 3 * 3  # every input element meets out x kernel weights
+
+
+class _ScalarGated(nn.Module):
+    """An FFN whose output is scaled per position by a one-channel gate (Qwen2-MoE's shared expert)."""
+
+    def __init__(self, conv: bool = False):
+        super().__init__()
+        self.up = nn.Conv1d(8, 16, 1) if conv else nn.Linear(8, 16)
+        self.gate = nn.Conv1d(8, 1, 1) if conv else nn.Linear(8, 1)
+        self.down = nn.Conv1d(16, 8, 1) if conv else nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)) * torch.sigmoid(self.gate(x)))
+
+
+@pytest.mark.parametrize("conv", [False, True])
+def test_a_single_output_channel_gates_without_coupling_the_channels_it_scales(conv):
+    m = _ScalarGated(conv)
+    x = torch.randn(3, 8, 5) if conv else torch.randn(3, 8)
+    g = build_dependency_graph(m, x)
+    ffn = [grp for grp in g.groups if ("up", "out") in grp.slots]
+    assert len(ffn) == 1 and ffn[0].prunable and ffn[0].n_units == 16
+    assert set(ffn[0].slots) == {("up", "out"), ("down", "in")}
+    gate = [grp for grp in g.groups if ("gate", "out") in grp.slots]
+    assert len(gate) == 1 and gate[0].slots == (("gate", "out"),)
+    assert not gate[0].prunable and "'gate' has a single output channel" in gate[0].blocked
+    prune_groups(m, x, 0.5)
+    small = compact(m, x)
+    assert small.up.weight.shape[0] == 8 and small.gate.weight.shape[0] == 1
+    assert torch.allclose(small(x), m(x), atol=1e-6)

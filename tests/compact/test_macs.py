@@ -1,4 +1,5 @@
-"""prunekit.compact.count_macs: exact counts for Linear and Conv2d, dense and counting only non-zero weights."""
+"""prunekit.compact.count_macs: exact counts for Linear, Conv2d and routed experts, dense and counting only
+non-zero weights."""
 
 import pytest
 import torch
@@ -83,3 +84,55 @@ def test_conv_transpose_counts_nonzero_weights_per_input_element():
     assert int(torch.count_nonzero(layer.weight)) == nonzero
     assert count_macs(layer, x, effective=True) == 2 * 5 * 5 * nonzero
     assert count_macs(layer, x) == 2 * 4 * 5 * 5 * 6 * 9  # the dense count ignores zeros
+
+
+# ------------------------------------------------------------ routed experts (transformers' 3-D layout)
+E, H, I = 4, 8, 6  # noqa: E741 - experts, hidden size, expert FFN size
+# top-2 choices of 5 tokens: expert 0 gets 3 tokens, 1 gets 3, 2 gets 2, 3 gets 2
+ROUTING = torch.tensor([[0, 1], [0, 2], [3, 1], [0, 1], [2, 3]])
+
+
+class LoopExperts(nn.Module):
+    """Experts with transformers' 3-D layout and a plain per-expert loop of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts = E
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.randn(E, H, I))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            token, k = torch.where(top_k_index == e)
+            gate, up = nn.functional.linear(hidden_states[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = nn.functional.linear(nn.functional.silu(gate) * up, self.down_proj[e])
+            out.index_add_(0, token, y * top_k_weights[token, k, None])
+        return out
+
+
+def _inputs():
+    return (torch.randn(5, H), ROUTING, torch.full((5, 2), 0.5))
+
+
+def test_routed_experts_count_the_tokens_each_expert_receives():
+    experts = LoopExperts()
+    per_token = 2 * I * H + H * I  # gate/up rows, then down rows, for one token
+    assert count_macs(experts, _inputs()) == 10 * per_token
+    assert count_macs(experts, _inputs(), effective=True) == 10 * per_token
+    # effective: expert 1's gate/up weights are masked, and half of expert 2's down_proj
+    mask = torch.ones(E, 2 * I, H)
+    mask[1] = 0
+    prunekit.custom_from_mask(experts, "gate_up_proj", mask)
+    with torch.no_grad():
+        experts.down_proj[2, :, : I // 2] = 0
+    assert count_macs(experts, _inputs()) == 10 * per_token  # every weight still counts without effective
+    assert count_macs(experts, _inputs(), effective=True) == 10 * per_token - 3 * 2 * I * H - 2 * H * (I // 2)
+
+
+def test_an_expert_without_tokens_costs_nothing_and_unknown_indices_run_nowhere():
+    experts = LoopExperts()
+    x, _, w = _inputs()
+    only_zero = torch.tensor([[0, E], [0, E], [0, E], [0, E], [0, E]])  # E: a slot routed to no local expert
+    per_token = 2 * I * H + H * I
+    assert count_macs(experts, (x, only_zero, w)) == 5 * per_token

@@ -47,6 +47,13 @@ FAMILIES: Dict[str, HFFamily] = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
+    "qwen3": _LLAMA,
+    # routed experts keep their widths here (prunekit.shrink changes them, with the config); dense blocks
+    # (mlp_only_layers) are listed too, so that a width they do not share leaves the config alone
+    "qwen2_moe": HFFamily("shared_expert_intermediate_size", (r"mlp\.shared_expert\.gate_proj$",
+                                                               r"mlp\.shared_expert\.up_proj$", r"mlp\.gate_proj$"),
+                          "num_attention_heads", "num_key_value_heads", "head_dim", r"self_attn$"),
+    "opt": HFFamily("ffn_dim", (r"\.fc1$",), "num_attention_heads", attention=r"self_attn$"),
     "vit": HFFamily("intermediate_size", (r"mlp\.fc1$", r"intermediate\.dense$"), "num_attention_heads",
                     head_dim_key="head_dim", attention=r"attention$"),
     "bert": HFFamily("intermediate_size", (r"intermediate\.dense$",), "num_attention_heads", attention=r"attention\.self$"),

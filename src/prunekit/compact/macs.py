@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -9,6 +10,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from . import weights
+from .handlers.base import arg
+from .handlers.moe import ExpertsLayout, experts_layout
 from .trace.inputs import split_inputs
 
 __all__ = ["count_macs", "count_params"]
@@ -25,6 +29,7 @@ class _MacMode(TorchFunctionMode):
         super().__init__()
         self.macs = 0
         self.effective = effective
+        self.in_experts = 0  # inside a routed experts module, which counts itself (see _experts_macs)
 
     def _weight_macs(self, out: torch.Tensor, w: torch.Tensor) -> int:
         """A linear/conv op: every output element reads ``w.shape[1:]`` weights; effective: only non-zero ones.
@@ -39,6 +44,8 @@ class _MacMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.in_experts:
+            return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if name in ("linear", "conv1d", "conv2d", "conv3d"):
             out = func(*args, **kwargs)
@@ -54,7 +61,7 @@ class _MacMode(TorchFunctionMode):
             elif w.shape[0]:
                 self.macs += (x.numel() // w.shape[0]) * int(torch.count_nonzero(w.detach()))
             return out
-        if name in ("matmul", "__matmul__", "bmm", "mm", "baddbmm", "addmm", "addbmm"):
+        if name in ("matmul", "__matmul__", "bmm", "mm", "baddbmm", "addmm", "addbmm", "grouped_mm", "_grouped_mm"):
             out = func(*args, **kwargs)
             a = args[1] if name.startswith("add") or name == "baddbmm" else args[0]
             self.macs += out.numel() * a.shape[-1]
@@ -69,6 +76,30 @@ class _MacMode(TorchFunctionMode):
             self.macs += _mha_macs(args, kwargs)
             return out
         return func(*args, **kwargs)
+
+
+    def enter_experts(self, module: nn.Module, args: tuple) -> None:
+        self.in_experts += 1
+
+    def leave_experts(self, layout: ExpertsLayout, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self.in_experts -= 1
+        if not self.in_experts:
+            self.macs += _experts_macs(module, layout, arg(args, kwargs, 1, "top_k_index"), self.effective)
+
+
+def _experts_macs(module: nn.Module, layout: ExpertsLayout, top_k_index: Any, effective: bool) -> int:
+    """A routed experts module: per expert, (tokens it received) x (MACs of its projections for one token)."""
+    if not isinstance(top_k_index, torch.Tensor):
+        return 0
+    idx = top_k_index.detach().reshape(-1).long()
+    idx = idx[(idx >= 0) & (idx < layout.experts)]  # an out-of-range index (expert parallelism) runs nowhere
+    tokens = torch.bincount(idx, minlength=layout.experts)
+    if not effective:
+        up_rows = (2 if layout.gated else 1) * layout.intermediate
+        return int(tokens.sum()) * (up_rows + layout.intermediate) * layout.hidden
+    per_expert = sum(torch.count_nonzero(weights.read_only(module, p).reshape(layout.experts, -1), dim=1)
+                     for p in (layout.up, "down_proj"))
+    return int((tokens * per_expert).sum())
 
 
 def _mha_macs(args: tuple, kwargs: dict) -> int:
@@ -91,6 +122,14 @@ def count_macs(model: nn.Module, example_inputs: Any, *, effective: bool = False
     (``weight_orig * weight_mask``). Ops without weights (matmul, attention)
     count in full either way.
 
+    Mixture-of-experts: a routed experts module (3-D expert weights, as in
+    ``transformers``' Mixtral, Qwen2-MoE, Qwen3-MoE) counts what its experts do
+    for the tokens they actually receive: for every (token, chosen expert) pair of
+    the router's top-k choice, that expert's gate/up and down projections for one
+    token (``effective``: that expert's non-zero weights). An expert that receives
+    no token costs nothing; the result is the same whichever implementation runs
+    (per-expert loop, batched or grouped matmul). The router counts as a linear layer.
+
     Examples:
         >>> import torch
         >>> fc = torch.nn.Linear(8, 4)
@@ -103,11 +142,19 @@ def count_macs(model: nn.Module, example_inputs: Any, *, effective: bool = False
     args, kwargs = split_inputs(example_inputs)
     mode = _MacMode(effective)
     was = [(m, m.training) for m in model.modules()]
-    model.eval()
+    hooks = []
     try:
+        for m in model.modules():
+            layout = experts_layout(m)
+            if layout is not None:
+                hooks.append(m.register_forward_pre_hook(mode.enter_experts))
+                hooks.append(m.register_forward_hook(functools.partial(mode.leave_experts, layout), with_kwargs=True))
+        model.eval()
         with torch.enable_grad(), mode:  # grad on: keeps fused inference fast paths out of the way
             model(*args, **kwargs)
     finally:
+        for h in hooks:
+            h.remove()
         for m, t in was:
             m.training = t
     return mode.macs

@@ -1,6 +1,6 @@
-"""Attention built from projection layers: Llama / Mistral / Qwen2 (grouped-query), ViT,
-DistilBERT, T5 (with its relative position bias), GPT-2 (fused ``Conv1D`` qkv), and
-cross-attention in any of them.
+"""Attention built from projection layers: Llama / Mistral / Qwen2 (grouped-query), OPT,
+Phi-3 (fused ``qkv_proj``), ViT, DistilBERT, T5 (with its relative position bias), GPT-2
+(fused ``Conv1D`` qkv), and cross-attention in any of them.
 
 The attention module is one leaf: its handler knows where each head lives in the
 projections (a :class:`Layout`, detected from the module's attributes, never from
@@ -17,7 +17,13 @@ query heads are removed evenly, the key/value projections are kept).
 
 Every tensor indexed by heads is coupled to the heads: T5's relative position bias
 (the embedding's columns, and the bias tensor the first layer hands to every later
-layer, which ties head ``h`` of all layers together).
+layer, which ties head ``h`` of all layers together), GPT-OSS's attention sinks.
+
+Phi-3's attention splits ``qkv_proj`` where the model's ``config.num_attention_heads``
+says, so its compacted heads run once that config is updated: every layer keeps the same
+number of heads (``prune_groups(..., uniform=True)``) and :mod:`prunekit.compact.hf_config`
+updates the config; otherwise :func:`~prunekit.compact.compact`'s check fails and the
+model is left as it was.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ... import reparam
 from .base import Entry, ModuleHandler, Slot, TracerAPI, arg, first, has_tensor, register_handler
 from ..proofs.constants import affine_row_values
 
@@ -125,14 +132,24 @@ def layout_of(m: nn.Module) -> Optional[Layout]:
         >>> lay.heads, lay.kv_heads, lay.qk_dim
         (4, 2, 8)
     """
-    # Llama, Mistral, Qwen2, ViT (transformers 5) and most decoders: q/k/v/o_proj + head_dim
-    q, k, v, o = (_linear(m, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    # Llama, Mistral, Qwen2, ViT (transformers 5) and most decoders: q/k/v/o_proj + head_dim;
+    # OPT: q/k/v_proj + out_proj
+    q, k, v = (_linear(m, n) for n in ("q_proj", "k_proj", "v_proj"))
+    o_name = "o_proj" if _linear(m, "o_proj") else "out_proj"
+    o = _linear(m, o_name)
     hd = _int(m, "head_dim")
     if q and k and v and o and hd:
         split = _split(q, k, v, hd, _int(m, "v_head_dim"))
         if split and o.in_features == split[0] * split[2]:
-            return Layout(Proj("q_proj"), Proj("k_proj"), Proj("v_proj"), Proj("o_proj"), split[0], split[1], hd, split[2],
-                          family="q_proj/k_proj/v_proj/o_proj")
+            return Layout(Proj("q_proj"), Proj("k_proj"), Proj("v_proj"), Proj(o_name), split[0], split[1], hd, split[2],
+                          family=f"q_proj/k_proj/v_proj/{o_name}")
+    # Phi-3: one fused qkv_proj (query heads, then key heads, then value heads) + o_proj
+    qkv, o, kv = _linear(m, "qkv_proj"), _linear(m, "o_proj"), _int(m, "num_key_value_heads")
+    if qkv and o and hd and kv and o.in_features % hd == 0:
+        heads = o.in_features // hd
+        if heads % kv == 0 and qkv.out_features == (heads + 2 * kv) * hd:
+            return Layout(Proj("qkv_proj"), Proj("qkv_proj", heads * hd), Proj("qkv_proj", (heads + kv) * hd),
+                          Proj("o_proj"), heads, kv, hd, hd, family="Phi-3")
     # DistilBERT
     q, k, v, o = (_linear(m, n) for n in ("q_lin", "k_lin", "v_lin", "out_lin"))
     hd = _int(m, "attention_head_size")
@@ -182,12 +199,21 @@ def _layout(m: nn.Module) -> Layout:
     return lay
 
 
-_FIRST_PROJECTIONS = frozenset({"q_proj", "q_lin", "q", "c_attn", "query"})
+_FIRST_PROJECTIONS = frozenset({"q_proj", "qkv_proj", "q_lin", "q", "c_attn", "query"})
 
 
 def _is_projection_attention(m: nn.Module) -> bool:
     # cheap first: every supported layout has one of these submodules
     return not _FIRST_PROJECTIONS.isdisjoint(m._modules) and layout_of(m) is not None
+
+
+def _per_head(m: nn.Module, lay: Layout) -> List[Entry]:
+    """Tensors with one entry per query head: T5's relative position bias, GPT-OSS's attention sinks."""
+    out = [Entry(f"{lay.relative_bias}.weight", 1)] if lay.relative_bias else []
+    sinks = reparam.stored(m, "sinks")
+    if sinks is not None and tuple(sinks.shape) == (lay.heads,):
+        out.append(Entry("sinks", 0))
+    return out
 
 
 def _rows(p: Proj, m: nn.Module, offset: int = 0) -> List[Entry]:
@@ -218,7 +244,7 @@ class ProjectionAttentionHandler(ModuleHandler):
             "q": Slot(lay.heads * lay.qk_dim, _rows(lay.q, m), role="heads"),
             "k": Slot(lay.kv_heads * lay.qk_dim, _rows(lay.k, m), role="heads"),
             "v": Slot(lay.kv_heads * lay.v_dim, _rows(lay.v, m), role="heads"),
-            "heads": Slot(lay.heads, [Entry(f"{lay.relative_bias}.weight", 1)] if lay.relative_bias else [], role="heads"),
+            "heads": Slot(lay.heads, _per_head(m, lay), role="heads"),
         }
         if lay.cross or lay.kv_arg:
             slots["kv_in"] = Slot(_in_size(m, lay.k), _cols(lay.k, lay.v), role="in")

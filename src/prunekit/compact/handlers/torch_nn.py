@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +28,8 @@ class LinearHandler(ModuleHandler):
     def trace(self, m, name, tracer, args, kwargs, output):
         x = arg(args, kwargs, 0, "input")
         tracer.bind(x, -1, tracer.slot(name, "in"))
+        if _single_output(tracer, name, m.out_features):
+            return
         values = affine_row_values(m, "weight", "bias", tracer.values_in(x, -1))
         tracer.emit(output, -1, tracer.slot(name, "out"), values)
 
@@ -56,6 +58,8 @@ class ConvHandler(ModuleHandler):
         cdim = x.dim() - len(m.kernel_size) - 1
         ins, outs = tracer.slot(name, "in"), tracer.slot(name, "out")
         tracer.bind(x, cdim, ins)
+        if m.groups == 1 and _single_output(tracer, name, m.out_channels, "out"):
+            return
         if m.groups > 1:
             tracer.tie(torch.cat([ins.view(m.groups, -1), outs.view(m.groups, -1)], dim=1))
         values = affine_row_values(m, "weight", "bias", tracer.values_in(x, cdim), groups=m.groups,
@@ -77,6 +81,16 @@ class ConvHandler(ModuleHandler):
         if not has_tensor(m, "bias"):
             return f"{type(m).__name__} has no bias to take the constant (bias=False)"
         return [("weight", 1, 0, "bias")]
+
+
+def _single_output(tracer: Any, name: str, n_out: int, slot: str = "out") -> bool:
+    """A layer with one output channel: the channel is never removed (the layer would go), so its
+    slot is blocked and its output left without channel labels -- a per-position scalar that may
+    scale or gate other channels (``sigmoid(gate(x)) * y``) without coupling them together."""
+    if n_out != 1:
+        return False
+    tracer.block(tracer.slot(name, slot), f"'{name}' has a single output channel, which is never removed")
+    return True
 
 
 def _zero_padded(m: nn.Module) -> Optional[str]:
