@@ -69,8 +69,6 @@ def test_phi3_heads_compact_exactly_once_the_config_says_them(gqa, kv_heads):
     assert mlp.gate_up_proj.out_features == 48 and mlp.down_proj.in_features == 24
 
 
-@pytest.mark.xfail(strict=True, reason="hf_config: the Phi-3 family needs its FFN size read as half of the fused "
-                                       "gate_up_proj (FAMILIES entries cannot say it yet)")
 def test_phi3_heads_and_ffn_round_trip_through_from_pretrained(tmp_path):
     model = _make("phi3")
     x = _x("phi3")

@@ -27,7 +27,7 @@ from .proofs.dead import Fold, NonZero, dead_units, zero_units
 from .errors import CompactionError
 from .handlers import HandlerRegistry, ModuleHandler
 from .trace.graph import DependencyGraph, Group, build_dependency_graph, check_graph, traced_dependency_graph
-from .hf_config import updated_config
+from .hf_config import apply_config
 from .trace.inputs import flatten_output, split_inputs
 from .surgery.journal import Journal, atomic, run_then_clean
 from .surgery.rebuild import apply_plan, check_state_dict, load_state, plan_rebuild
@@ -375,16 +375,11 @@ def _update_hf_config(target: nn.Module, desc: Dict[str, Any], journal: Optional
     old = getattr(target, "config", None)
     if old is None or not hasattr(old, "model_type"):
         return
-    new, reason = updated_config(target)
-    if new is None:
+    reason = apply_config(target, journal)
+    if reason:
         desc["hf_config"] = f"not updated: {reason}"
         logger.warning("compact: the model's config was not updated (%s); save it with save_compacted", reason)
         return
-    for m in target.modules():
-        if getattr(m, "config", None) is old:
-            if journal is not None:
-                journal.module(m)
-            m.config = new
     desc["hf_config"] = "updated"
 
 

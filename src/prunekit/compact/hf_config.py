@@ -14,30 +14,35 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from torch import nn
+import torch
+from torch import Tensor, nn
+
+from ..transaction import Transaction
 
 from .handlers.projection_attention import layout_of
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FAMILIES", "HFFamily", "updated_config"]
+__all__ = ["FAMILIES", "HFFamily", "apply_config", "rescale_embeddings", "scaled_embeddings", "updated_config"]
 
 
 @dataclass(frozen=True)
 class HFFamily:
     """Which config keys hold a family's block sizes, and where the modules are."""
 
-    ffn_key: str
+    ffn_key: Optional[str]  # None: no dense FFN (routed experts keep their own keys)
     ffn_modules: Tuple[str, ...]  # regexes of the first FFN layers (their output size is the FFN size)
     heads_key: str
     kv_heads_key: Optional[str] = None
     head_dim_key: Optional[str] = None  # None: the head size is derived from hidden_size / heads
     attention: str = r"(self_attn|attention|attn|SelfAttention)$"
     hidden_key: str = "hidden_size"  # the residual stream's width (what its normalizations have)
+    ffn_from_input: bool = False  # ffn_modules are the FFN's readers: their input size is the FFN size
 
 
 _LLAMA = HFFamily("intermediate_size", (r"mlp\.gate_proj$", r"mlp\.up_proj$"), "num_attention_heads",
@@ -53,6 +58,13 @@ FAMILIES: Dict[str, HFFamily] = {
     "qwen2_moe": HFFamily("shared_expert_intermediate_size", (r"mlp\.shared_expert\.gate_proj$",
                                                                r"mlp\.shared_expert\.up_proj$", r"mlp\.gate_proj$"),
                           "num_attention_heads", "num_key_value_heads", "head_dim", r"self_attn$"),
+    "phi3": HFFamily("intermediate_size", (r"mlp\.down_proj$",), "num_attention_heads", "num_key_value_heads",
+                     "head_dim", r"self_attn$", ffn_from_input=True),  # gate_up_proj holds two FFN widths
+    "mixtral": HFFamily(None, (), "num_attention_heads", "num_key_value_heads", "head_dim", r"self_attn$"),
+    "qwen3_moe": HFFamily(None, (), "num_attention_heads", "num_key_value_heads", "head_dim", r"self_attn$"),
+    "gemma": _LLAMA,  # scaled embeddings follow a new hidden size: rescale_embeddings
+    "gemma2": _LLAMA,
+    "gemma3_text": _LLAMA,
     "opt": HFFamily("ffn_dim", (r"\.fc1$",), "num_attention_heads", attention=r"self_attn$"),
     "vit": HFFamily("intermediate_size", (r"mlp\.fc1$", r"intermediate\.dense$"), "num_attention_heads",
                     head_dim_key="head_dim", attention=r"attention$"),
@@ -72,6 +84,11 @@ def _out_features(m: nn.Module) -> Optional[int]:
         if isinstance(v, int):
             return v
     return None
+
+
+def _in_features(m: nn.Module) -> Optional[int]:
+    v = getattr(m, "in_features", None)
+    return v if isinstance(v, int) else None
 
 
 def _heads(m: nn.Module) -> Optional[Tuple[int, int, int]]:
@@ -138,8 +155,10 @@ def updated_config(model: nn.Module) -> Tuple[Optional[Any], str]:
         return None, f"config updates for model_type {model_type!r} are not known (add it to prunekit.compact.hf_config.FAMILIES)"
     named = list(model.named_modules())
     try:
-        ffn = _one([s for n, m in named if any(re.search(p, n) for p in family.ffn_modules)
-                    for s in [_out_features(m)] if s is not None], "feed-forward size")
+        size = _in_features if family.ffn_from_input else _out_features
+        ffn = None if family.ffn_key is None else _one(
+            [s for n, m in named if any(re.search(p, n) for p in family.ffn_modules) for s in [size(m)] if s is not None],
+            "feed-forward size")
         heads = [h for n, m in named if re.search(family.attention, n) for h in [_heads(m)] if h is not None]
         n_heads = _one([h[0] for h in heads], "number of attention heads")
         kv_heads = _one([h[1] for h in heads], "number of key/value heads")
@@ -153,7 +172,7 @@ def updated_config(model: nn.Module) -> Tuple[Optional[Any], str]:
         return None, (f"the hidden size is not one width ({family.hidden_key} {hidden}, input embedding "
                       f"{new_hidden}, normalizations {widths}); save with prunekit.compact.save_compacted")
     new = copy.deepcopy(config)
-    changes: Dict[str, int] = {family.ffn_key: ffn}
+    changes: Dict[str, int] = {} if family.ffn_key is None or ffn is None else {family.ffn_key: ffn}
     if new_hidden != hidden:
         changes[family.hidden_key] = new_hidden
         if family.head_dim_key is not None:  # a config without it derives the head size from the hidden size
@@ -179,3 +198,67 @@ def updated_config(model: nn.Module) -> Tuple[Optional[Any], str]:
         setattr(new, key, value)
     logger.info("compact: %s config updated: %s", model_type, changes)
     return new, ""
+
+
+def scaled_embeddings(model: nn.Module) -> List[nn.Module]:
+    """Embeddings that scale their output by ``sqrt(hidden size)`` (Gemma's), which a new hidden size changes.
+
+    Examples:
+        >>> import torch
+        >>> scaled_embeddings(torch.nn.Embedding(4, 2))
+        []
+    """
+    return [m for m in model.modules() if isinstance(m, nn.Embedding) and hasattr(m, "scalar_embed_scale")
+            and isinstance(getattr(m, "embed_scale", None), Tensor)]
+
+
+def rescale_embeddings(model: nn.Module, old: int, new: int, txn: Optional[Transaction] = None) -> None:
+    """Give scaled embeddings the scale a model of hidden size ``new`` is built with (``sqrt(new)``).
+
+    ``from_pretrained`` builds the scale from the config's hidden size, so a compacted model must
+    compute with that scale too. Each module is recorded in ``txn`` before it changes.
+
+    Examples:
+        >>> import torch
+        >>> emb = torch.nn.Embedding(4, 2)
+        >>> emb.scalar_embed_scale = 4.0; emb.register_buffer("embed_scale", torch.tensor(4.0), persistent=False)
+        >>> rescale_embeddings(emb, 16, 9)
+        >>> emb.scalar_embed_scale, float(emb.embed_scale)
+        (3.0, 3.0)
+    """
+    for module in scaled_embeddings(model):
+        if not math.isclose(float(module.scalar_embed_scale), math.sqrt(old), rel_tol=1e-6):
+            raise ValueError(f"prunekit.compact: {type(module).__name__} scales by {module.scalar_embed_scale}, not by "
+                             f"sqrt(hidden size {old}); its scale cannot follow the new hidden size {new}")
+        if txn is not None:
+            txn.module(module)
+        module.scalar_embed_scale = math.sqrt(new)
+        module._buffers["embed_scale"] = torch.tensor(math.sqrt(new), dtype=module.embed_scale.dtype,
+                                                      device=module.embed_scale.device)
+
+
+def apply_config(model: nn.Module, txn: Optional[Transaction] = None) -> str:
+    """Give a Hugging Face model whose layers changed size a config of its new shapes, in place.
+
+    Every module holding the model's config gets the updated copy, and scaled embeddings follow a
+    new hidden size (:func:`rescale_embeddings`); each change is recorded in ``txn``. Returns ``""``,
+    or the reason the config cannot say the new shapes (then nothing is changed).
+
+    Examples:
+        >>> import torch
+        >>> apply_config(torch.nn.Linear(2, 2))
+        'not a Hugging Face model (no config.model_type)'
+    """
+    new, reason = updated_config(model)
+    if new is None:
+        return reason
+    old = model.config
+    key = FAMILIES[old.model_type].hidden_key
+    if getattr(new, key) != getattr(old, key):
+        rescale_embeddings(model, getattr(old, key), getattr(new, key), txn)
+    for m in model.modules():
+        if getattr(m, "config", None) is old:
+            if txn is not None:
+                txn.module(m)
+            m.config = new
+    return ""

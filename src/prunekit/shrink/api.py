@@ -30,7 +30,6 @@ import torch
 from torch import Tensor, nn
 
 from ..compact.hf_config import FAMILIES as CONFIG_FAMILIES
-from ..compact.hf_config import updated_config
 from ..compact.surgery.journal import Journal
 from ..transaction import atomic
 from . import depth, experts
@@ -70,13 +69,21 @@ class ShrinkReport:
                 f"{self.dense.score:.4g} -> {self.score:.4g}; {len(self.candidates)} candidates, {self.seconds:.1f} s)")
 
 
+#: routed experts run through grouped matrix products, whose rows must be multiples of 16 bytes
+MOE_ALIGN = 8
+
+
 def _steps(units: Dict[str, int], round_to: Optional[int]) -> Dict[str, int]:
-    """Multiples the hidden and FFN sizes are rounded to (by default 64 from 1024 units, 8 from 128)."""
+    """Multiples the hidden and FFN sizes are rounded to (by default 64 from 1024 units, 8 from 128;
+    with routed experts, the hidden size and the experts' width are multiples of 8 in any case)."""
     out = {}
+    moe = EXPERTS in units
     for axis in (HIDDEN, FFN, EXPERT_FFN):
         n = units.get(axis)
         if n is not None:
             step = round_to if round_to is not None else 64 if n >= 1024 else 8 if n >= 128 else 1
+            if moe and axis in (HIDDEN, EXPERT_FFN):
+                step = step * MOE_ALIGN // math.gcd(step, MOE_ALIGN)
             out[axis] = min(step, n)
     return out
 
@@ -154,25 +161,11 @@ class _Plan:
         width_keep = {a: n for a, n in sizes.items() if a in self.width.axes}
         if any(n != self.width.axes[a].units for a, n in width_keep.items()):
             self.width.apply(width_keep, journal)
-            _update_config(self.model, journal)
         if EXPERTS in sizes and sizes[EXPERTS] != self.sizes.units[EXPERTS]:
             experts.remove_experts(self.model, experts.keep_top(self.expert_scores, sizes[EXPERTS]), journal=journal)
         removed = self.removed_blocks(sizes)
         if removed:
             depth.remove_layers(self.model, removed, journal=journal)
-
-
-def _update_config(model: nn.Module, journal: Journal) -> None:
-    """Give the model (and every submodule holding the same config) a config of its new shapes."""
-    old = model.config
-    new, reason = updated_config(model)
-    if new is None:
-        raise ValueError(f"prunekit.shrink: the shrunk {old.model_type} model's config cannot say its new shapes "
-                         f"({reason}); choose other axes")
-    for m in model.modules():
-        if getattr(m, "config", None) is old:
-            journal.module(m)
-            m.config = new
 
 
 def _check(model: nn.Module, batch: Any, expected: Tensor) -> None:
@@ -297,6 +290,11 @@ def _explicit(sm: SizeModel, plan: _Plan, sizes: Dict[str, int], full: Dict[str,
                              f"{sorted(full)}")
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= full[axis]:
             raise ValueError(f"prunekit.shrink: sizes[{axis!r}]={n!r}; keep an int between 1 and {full[axis]}")
+    if EXPERTS in full:
+        odd = [a for a in (HIDDEN, EXPERT_FFN) if a in sizes and sizes[a] % MOE_ALIGN]
+        if odd:
+            raise ValueError(f"prunekit.shrink: sizes[{odd[0]!r}]={sizes[odd[0]]}: with routed experts it must be a "
+                             f"multiple of {MOE_ALIGN} (grouped matrix products need rows of 16-byte multiples)")
     s = dict(full, **sizes)
     blocks = [b for b in range(sm.n_blocks) if b not in plan.removed_blocks(s)]
     return Candidate(s, sm.params(s, blocks), sm.macs(s, blocks))

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from ..compact import build_dependency_graph
 from ..compact.hf_config import FAMILIES as CONFIG_FAMILIES
+from ..compact.hf_config import apply_config, scaled_embeddings
 from ..compact.surgery.journal import Journal
 from ..compact.selection.prune import GroupDecision
 from ..compact.removal import remove_units
@@ -232,7 +233,7 @@ class Width:
                 if name == HIDDEN:
                     ratio = math.sqrt((axis.units - len(axis.removed(n)[0])) * axis.unit_width
                                       / (axis.units * axis.unit_width))
-                    for module in _scaled_embeddings(self.model):
+                    for module in scaled_embeddings(self.model):
                         handles.append(module.register_forward_hook(lambda m, a, out, r=ratio: out * r))
             yield
         finally:
@@ -256,14 +257,15 @@ class Width:
         return out
 
     def apply(self, keep: Dict[str, int], journal: Journal) -> int:
-        """Remove the units for real, in place (recorded in ``journal``); returns how many went."""
-        hidden = self.axes.get(HIDDEN)
-        old_hidden = None if hidden is None else hidden.units * hidden.unit_width
+        """Remove the units for real, in place, and update the config (recorded in ``journal``).
+
+        Returns how many units went; ``ValueError`` when the config cannot say the new shapes.
+        """
         n = remove_units(self.model, self.graph, self.decisions(keep), journal)
-        if hidden is not None and keep.get(HIDDEN, hidden.units) != hidden.units:
-            new_hidden = keep[HIDDEN] * hidden.unit_width
-            for module in _scaled_embeddings(self.model):
-                _rescale_embedding(module, old_hidden, new_hidden, journal)
+        reason = apply_config(self.model, journal)
+        if reason:
+            raise ValueError(f"prunekit.shrink: the shrunk {self.model_type} model's config cannot say its new shapes "
+                             f"({reason}); choose other axes")
         return n
 
 
@@ -302,20 +304,3 @@ def _norm_on_kept(norm: nn.Module, cut: Tensor) -> Callable[..., Any]:
         out = torch.zeros_like(output)
         return out.index_copy(-1, kept, yk.to(out.dtype))
     return hook
-
-
-def _scaled_embeddings(model: nn.Module) -> List[nn.Module]:
-    """Embeddings that scale their output by ``sqrt(hidden size)`` (Gemma's), which a new hidden size changes."""
-    return [m for m in model.modules() if isinstance(m, nn.Embedding) and hasattr(m, "scalar_embed_scale")
-            and isinstance(getattr(m, "embed_scale", None), Tensor)]
-
-
-def _rescale_embedding(module: nn.Module, old: Optional[int], new: int, journal: Journal) -> None:
-    """Give a scaled embedding the scale a model of hidden size ``new`` is built with (``sqrt(new)``)."""
-    if old is None or not math.isclose(float(module.scalar_embed_scale), math.sqrt(old), rel_tol=1e-6):
-        raise ValueError(f"prunekit.shrink: {type(module).__name__} scales by {module.scalar_embed_scale}, not by "
-                         f"sqrt(hidden size {old}); its scale cannot follow a new hidden size")
-    journal.module(module)
-    module.scalar_embed_scale = math.sqrt(new)
-    module._buffers["embed_scale"] = torch.tensor(math.sqrt(new), dtype=module.embed_scale.dtype,
-                                                  device=module.embed_scale.device)
