@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import prunekit
-from prunekit import methods, reparam
+from prunekit import reparam
 from prunekit.compact.surgery.journal import Journal
 from prunekit.training._undo import UndoLog
 from prunekit.transaction import ModuleState, Transaction, atomic
@@ -192,10 +192,3 @@ def test_interrupt_during_rollback_is_held_until_it_is_done():
     with pytest.raises(KeyboardInterrupt):
         txn.rollback()
     assert seen == ["newest", "oldest"]
-
-
-def test_methods_register_their_mask_installer_explicitly():
-    assert reparam.mask_installer() is methods.install_mask
-    with pytest.raises(TypeError, match="register_mask_installer: the installer must be callable, got 3"):
-        reparam.register_mask_installer(3)
-    assert reparam.mask_installer() is methods.install_mask

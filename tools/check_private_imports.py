@@ -7,7 +7,10 @@ top-level modules, which form the package ``prunekit`` itself), so another
 package must not import it -- it should use a public name, or the helper
 should move to a module both can use. Private *modules* of the root package
 (``prunekit._backend``) are shared machinery: their public names may be
-imported from anywhere.
+imported from anywhere. A private module of another package
+(``prunekit.training._undo``) is that package's own, except the internal tiers
+named in ``INTERNAL_TIERS``: the modules through which a package hands other
+packages of prunekit what is not public (``prunekit.reparam._internal``).
 
 Run by ``make lint``: ``python tools/check_private_imports.py [src/prunekit]``.
 """
@@ -17,7 +20,10 @@ from __future__ import annotations
 import ast
 import sys
 from pathlib import Path
-from typing import Iterator, List, Tuple
+from typing import Iterator, List, Optional, Tuple
+
+# private modules that other packages may import from: a package's internal tier
+INTERNAL_TIERS = frozenset({"prunekit.reparam._internal"})
 
 
 def package_of(module: str) -> str:
@@ -45,6 +51,18 @@ def resolve(importer: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def private_module(target: str, root: Path) -> Optional[str]:
+    """The first private module of a sub-package on the dotted path ``target`` (``None`` if none)."""
+    parts = target.split(".")
+    for i in range(2, len(parts)):
+        if parts[i].startswith("_") and not parts[i].startswith("__"):
+            path = root / Path(*parts[1:i + 1])
+            if path.with_suffix(".py").exists() or (path / "__init__.py").exists():
+                return ".".join(parts[:i + 1])
+            return None
+    return None
+
+
 def violations(root: Path) -> Iterator[str]:
     for path in sorted(root.rglob("*.py")):
         importer, is_package = module_name(path, root)
@@ -57,6 +75,11 @@ def violations(root: Path) -> Iterator[str]:
                 continue
             for alias in node.names:
                 name = alias.name
+                module = private_module(f"{source}.{name}", root)
+                if module is not None and module not in INTERNAL_TIERS and \
+                        package_of(module) != package_of(importer if not is_package else importer + ".x"):
+                    yield f"{path}:{node.lineno}: {importer} imports from the private module {module} of another package"
+                    continue
                 if not name.startswith("_") or name.startswith("__"):
                     continue
                 target = f"{source}.{name}"

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _sharded, reparam
+from .reparam._internal import Snapshot, check_prunable, effective_with_grad, install, with_context
 from ._backend import TORCH, backend_of, is_tensor, same_backend
 from .errors import PruningError
 
@@ -110,7 +111,7 @@ class BasePruningMethod(ABC):
         """
         if self._tensor_name is None:
             raise PruningError(f"Module {reparam.describe(module)} has to be pruned")
-        return reparam.masked_product(
+        return effective_with_grad(
             getattr(module, self._tensor_name + "_orig"), getattr(module, self._tensor_name + "_mask")
         )
 
@@ -163,12 +164,12 @@ class BasePruningMethod(ABC):
             >>> m.weight_mask.dtype, int(m.weight_mask.sum())
             (torch.bool, 4)
         """
-        orig, pruned = reparam.check_prunable(module, name)
+        orig, pruned = check_prunable(module, name)
         hook_key, old = reparam.find_hook(module, name) if pruned else (None, None)
         try:
             method = cls(*args, **kwargs)
         except (ValueError, TypeError, IndexError) as e:
-            raise reparam.with_context(e, module, name) from None
+            raise with_context(e, module, name) from None
         method._tensor_name = name
         existing = module._buffers[name + "_mask"] if pruned else None
         b = backend_of(orig) or TORCH
@@ -184,7 +185,7 @@ class BasePruningMethod(ABC):
                 else:  # a DTensor shard: the same decision, made across ranks (prunekit.distributed)
                     mask = sharded.compute_mask(method, module, name, orig, existing, importance_scores, out_dtype)
         except (ValueError, TypeError, IndexError) as e:
-            raise reparam.with_context(e, module, name) from None
+            raise with_context(e, module, name) from None
         except NotImplementedError:
             if getattr(orig, "is_meta", False):  # e.g. built under accelerate's init_empty_weights()
                 raise ValueError(
@@ -197,9 +198,9 @@ class BasePruningMethod(ABC):
             raise
 
         hook = _compose(old, method)
-        snapshot = reparam.Snapshot(module)
+        snapshot = Snapshot(module)
         try:
-            reparam.install(module, name, mask, hook, hook_key)
+            install(module, name, mask, hook, hook_key)
             if old is not None and hook is old:
                 old.add_pruning_method(method)
             if sharded is not None:
@@ -351,7 +352,7 @@ def _compute(
         # the container ranks only entries whose mask is 1, where orig == orig * mask
         scores = orig.detach()
     else:
-        scores = reparam.current_value(module, name)
+        scores = reparam.effective(module, name)
     return combine_masks(method, scores, default)
 
 

@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from . import reparam
+from .reparam._internal import install
 
 __all__ = ["fuse_known_modules", "fuse_modules", "fuse_modules_qat"]
 
@@ -132,7 +133,7 @@ def _prune_again(fused: nn.Module, head: nn.Module, stand: nn.Module) -> nn.Modu
                            "pruned entries, e.g. a bias folded with a batchnorm); it holds its fused value",
                            reparam.describe(head), name)
             continue
-        reparam.install(target, name, mask.clone(), methods[name], None)
+        install(target, name, mask.clone(), methods[name], None)
     return fused
 
 

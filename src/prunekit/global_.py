@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from torch import Tensor, nn
 
 from . import _sharded, reparam
+from .reparam._internal import Snapshot, check_prunable
 from ._backend import TORCH, FrameworkMismatchError, backend_of, is_module, is_tensor, same_backend
 from .base import BasePruningMethod
 from .container import PruningContainer
@@ -118,7 +119,7 @@ def global_unstructured(
 
     origs, masks, scores = [], [], []
     for module, name in pairs:
-        orig, pruned = reparam.check_prunable(module, name)
+        orig, pruned = check_prunable(module, name)
         s = importance_scores.get((module, name))
         if s is not None:
             same_backend(backend_of(orig) or TORCH, s, "importance_scores", f"global_unstructured(): {reparam.describe(module, name)}")
@@ -145,7 +146,7 @@ def global_unstructured(
         else:
             new_masks = _generic_masks(method, pairs, origs, masks, scores)
 
-    snapshots = [reparam.Snapshot(m) for m, _ in pairs]
+    snapshots = [Snapshot(m) for m, _ in pairs]
     try:
         for i, (module, name) in enumerate(pairs):
             mask, new_masks[i] = new_masks[i], None  # freed as soon as it is stored: a low peak

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from . import reparam
+from .reparam._internal import atomic
 from ._backend import TORCH, backend_of, is_tensor, same_backend
 from .base import BasePruningMethod, is_lazy_ones
 from .errors import PruningError
@@ -37,6 +38,7 @@ __all__ = [
     "LnStructured",
     "RandomStructured",
     "RandomUnstructured",
+    "apply_mask",
     "custom_from_mask",
     "identity",
     "l1_unstructured",
@@ -286,7 +288,7 @@ class CustomFromMask(BasePruningMethod):
 
 
 # ------------------------------------------------------------ functional API
-@reparam.atomic
+@atomic
 def identity(module: nn.Module, name: str, *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Reparameterize ``name`` with a mask of ones (prunes nothing).
 
@@ -300,7 +302,7 @@ def identity(module: nn.Module, name: str, *, mask_dtype: Optional[torch.dtype] 
     return module
 
 
-@reparam.atomic
+@atomic
 def random_unstructured(module: nn.Module, name: str, amount: Amount, *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Prune ``amount`` of the currently unpruned entries of ``name`` at random.
 
@@ -314,7 +316,7 @@ def random_unstructured(module: nn.Module, name: str, amount: Amount, *, mask_dt
     return module
 
 
-@reparam.atomic
+@atomic
 def l1_unstructured(module: nn.Module, name: str, amount: Amount, importance_scores: Optional[Tensor] = None,
                     *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Prune ``amount`` of the currently unpruned entries of ``name`` with the smallest |value| (or importance).
@@ -332,7 +334,7 @@ def l1_unstructured(module: nn.Module, name: str, amount: Amount, importance_sco
     return module
 
 
-@reparam.atomic
+@atomic
 def random_structured(module: nn.Module, name: str, amount: Amount, dim: int,
                       *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Prune ``amount`` of the currently unpruned channels of ``name`` along ``dim`` at random.
@@ -347,7 +349,7 @@ def random_structured(module: nn.Module, name: str, amount: Amount, dim: int,
     return module
 
 
-@reparam.atomic
+@atomic
 def ln_structured(module: nn.Module, name: str, amount: Amount, n: NormOrder, dim: int,
                   importance_scores: Optional[Tensor] = None, *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Prune ``amount`` of the currently unpruned channels of ``name`` along ``dim`` with the lowest L``n`` norm.
@@ -362,7 +364,7 @@ def ln_structured(module: nn.Module, name: str, amount: Amount, n: NormOrder, di
     return module
 
 
-@reparam.atomic
+@atomic
 def custom_from_mask(module: nn.Module, name: str, mask: Tensor, *, mask_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Prune ``name`` with a mask you computed (combined with any earlier mask).
 
@@ -376,6 +378,26 @@ def custom_from_mask(module: nn.Module, name: str, mask: Tensor, *, mask_dtype: 
     return module
 
 
+def apply_mask(module: nn.Module, name: str, mask: Tensor, *, mask_dtype: Optional[torch.dtype] = None) -> None:
+    """Prune ``module.name`` with ``mask`` (zeros prune), on top of any mask it already has.
+
+    :func:`custom_from_mask` for callers that need no module back (loading masks,
+    compaction, training): the reparameterization is installed with a
+    :class:`CustomFromMask` hook, or the existing mask is multiplied by ``mask``
+    (a mask only loses ones); nothing is changed if anything fails. ``mask_dtype``
+    as for every pruning function.
+
+    Examples:
+        >>> import torch
+        >>> m = torch.nn.Linear(3, 1, bias=False)
+        >>> apply_mask(m, "weight", torch.tensor([[1, 0, 1]]))
+        >>> apply_mask(m, "weight", torch.tensor([[0, 1, 1]]))
+        >>> m.weight_mask.tolist()
+        [[0.0, 0.0, 1.0]]
+    """
+    CustomFromMask.apply(module, name, mask, mask_dtype=mask_dtype)
+
+
 def remove(module: nn.Module, name: str) -> nn.Module:
     """Make the pruning of ``name`` permanent (see :func:`prunekit.reparam.remove`).
 
@@ -387,20 +409,3 @@ def remove(module: nn.Module, name: str) -> nn.Module:
         (4, False)
     """
     return reparam.remove(module, name)
-
-
-# ------------------------------------------------- registration with the reparam layer
-def install_mask(module: nn.Module, name: str, mask: Tensor, *, mask_dtype: Optional[torch.dtype] = None) -> None:
-    """How :func:`prunekit.reparam.apply_mask` installs a mask: :class:`CustomFromMask` (registered below).
-
-    Examples:
-        >>> import torch, prunekit
-        >>> m = torch.nn.Linear(2, 1)
-        >>> install_mask(m, "weight", torch.tensor([[0, 1]]))
-        >>> m.weight_mask.tolist(), prunekit.reparam.mask_installer() is install_mask
-        ([[0.0, 1.0]], True)
-    """
-    CustomFromMask.apply(module, name, mask, mask_dtype=mask_dtype)
-
-
-reparam.register_mask_installer(install_mask)

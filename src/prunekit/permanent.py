@@ -15,6 +15,7 @@ from typing import Any, List, Optional, Tuple
 from torch import Tensor, nn
 
 from . import _sharded, reparam
+from .reparam._internal import Snapshot
 from ._backend import TORCH, backend_of, is_module
 
 __all__ = ["remove_all"]
@@ -73,7 +74,7 @@ def remove_all(model: nn.Module) -> int:
             reparam.sync(module)  # a pending write through the pruned name lands first
             # torch.nn.utils.prune's remove gives the parameter new storage: the old one is the undo
             where, values = _overwritten(orig, mask) if name in reparam.pruned_names(module) else (None, None)
-            snapshot = reparam.Snapshot(module)
+            snapshot = Snapshot(module)
             old_data = orig.data
             done.append((module, snapshot, orig, old_data, mask, where, values))
             reparam.unmask(module, name, bake=True)

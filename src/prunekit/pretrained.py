@@ -63,7 +63,8 @@ from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional,
 import torch
 from torch import Tensor, nn
 
-from . import reparam
+from . import methods, reparam
+from .reparam._internal import Snapshot, drop_cache
 from ._backend import is_module
 
 __all__ = [
@@ -409,17 +410,16 @@ def apply_saved(saved: List[SavedMask]) -> None:
                     old = buf.clone()
                     undo.append(lambda buf=buf, old=old: buf.copy_(old))
                     buf.copy_(s.mask.to(buf.dtype))
-                    reparam.drop_cache(s.module, s.name)
+                    drop_cache(s.module, s.name)
                 else:
-                    snapshot = reparam.Snapshot(s.module)
-                    undo.append(snapshot.restore)
-                    reparam.apply_mask(s.module, s.name, s.mask, mask_dtype=s.mask.dtype)
+                    undo.append(Snapshot(s.module).restore)
+                    methods.apply_mask(s.module, s.name, s.mask, mask_dtype=s.mask.dtype)
                 if s.orig is not None:
                     target = reparam.stored(s.module, s.name)
                     old_orig = target.detach().clone()
                     undo.append(lambda target=target, old=old_orig: target.detach().copy_(old))
                     target.detach().copy_(s.orig)
-                    reparam.drop_cache(s.module, s.name)
+                    drop_cache(s.module, s.name)
     except BaseException:
         with torch.no_grad():
             for fn in reversed(undo):

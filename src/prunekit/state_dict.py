@@ -13,7 +13,8 @@ from typing import Any, Dict, List, Mapping, Tuple, Union
 
 from torch import Tensor, nn
 
-from . import reparam
+from . import methods, reparam
+from .reparam._internal import Snapshot
 from ._backend import TORCH, backend_of, is_module, is_tensor
 
 __all__ = ["StateDictMismatchError", "dense_state_dict", "load_state_dict"]
@@ -58,7 +59,7 @@ def load_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], strict: 
     """Load ``state_dict`` into ``model`` whether either side is pruned or dense.
 
     * pruned state dict (``x_orig``/``x_mask``) into a dense model: the model's
-      ``x`` is pruned with the saved mask (``reparam.apply_mask``) and loaded,
+      ``x`` is pruned with the saved mask (``methods.apply_mask``) and loaded,
       so it comes back in the saved state, ready to keep training;
     * dense state dict (``x``) into a pruned model: ``x`` is loaded into
       ``x_orig`` and the model's mask is kept;
@@ -99,9 +100,9 @@ def load_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], strict: 
             if module is None or name in reparam.pruned_names(module):
                 continue
             if name in module._parameters:
-                snapshots.append(reparam.Snapshot(module))
+                snapshots.append(Snapshot(module))
                 mask = sd[key[:-5] + "_mask"]
-                reparam.apply_mask(module, name, mask, mask_dtype=mask.dtype)
+                methods.apply_mask(module, name, mask, mask_dtype=mask.dtype)
         for qual, module in modules.items():
             for name in reparam.pruned_names(module):
                 full = f"{qual}.{name}" if qual else name

@@ -17,7 +17,7 @@ from torch import nn
 
 import prunekit
 from prunekit.compact import CompactionError, build_dependency_graph, compact, prune_groups
-from prunekit import reparam
+from prunekit import methods
 from prunekit.compact.surgery import shrink as surgery
 from compact_models import EncoderBlock, ResNetLike
 
@@ -84,7 +84,7 @@ def _cases():
 def test_prune_groups_rolls_back_at_every_mask(monkeypatch, exc, case):
     make, x = _cases()[case]
     probe = make()
-    calls = _inject(monkeypatch, reparam, "apply_mask", 10**9, Boom)
+    calls = _inject(monkeypatch, methods, "apply_mask", 10**9, Boom)
     prune_groups(probe, x, 0.5)
     n = calls[0]
     monkeypatch.undo()
@@ -94,7 +94,7 @@ def test_prune_groups_rolls_back_at_every_mask(monkeypatch, exc, case):
         # some tensors already pruned: the new masks must compose and then roll back
         prunekit.l1_unstructured(next(mod for mod in m.modules() if isinstance(mod, (nn.Conv2d, nn.Linear))), "weight", 0.2)
         before = state(m)
-        _inject(monkeypatch, reparam, "apply_mask", at, exc)
+        _inject(monkeypatch, methods, "apply_mask", at, exc)
         with pytest.raises(exc):
             prune_groups(m, x, 0.5)
         monkeypatch.undo()
@@ -111,7 +111,7 @@ def test_compact_inplace_rolls_back_at_every_step(monkeypatch, exc, where):
     prune_groups(m, x, 0.5, graph=g)
     compact_module = sys.modules["prunekit.compact.compact"]  # the package's name is the function
     target = {"shrink_module": (compact_module, "shrink_module"), "replace_tensor": (surgery, "replace_tensor"),
-              "set_attr": (surgery, "set_attr"), "apply_mask": (reparam, "apply_mask")}[where]
+              "set_attr": (surgery, "set_attr"), "apply_mask": (methods, "apply_mask")}[where]
     calls = _inject(monkeypatch, *target, 10**9, Boom)  # count the calls of a clean run on a copy
     compact(copy.deepcopy(m), x, inplace=True)
     n = calls[0]

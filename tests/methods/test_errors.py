@@ -198,7 +198,7 @@ def test_inf_is_ranked_as_the_largest_magnitude(framework):
 
 
 def test_failure_inside_the_install_step_rolls_back(framework, monkeypatch):
-    from prunekit import reparam
+    from prunekit import base
 
     m = pruned_linear(framework)
     before = state(m)
@@ -206,7 +206,7 @@ def test_failure_inside_the_install_step_rolls_back(framework, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(reparam, "install", broken)
+    monkeypatch.setattr(base, "install", broken)
     with pytest.raises(RuntimeError, match="disk on fire"):
         prune.l1_unstructured(m, "weight", 0.25)
     same(before, state(m))

@@ -346,9 +346,9 @@ def test_bytes_held_after_pruning_against_torch():
 # -------------------------------------------------------------- inference
 def test_no_grad_forward_reuses_the_product(monkeypatch):
     calls = []
-    real, real_masked = reparam.masked_product, reparam.masked
-    monkeypatch.setattr(reparam, "masked_product", lambda o, m: calls.append(1) or real(o, m))  # with grad
-    monkeypatch.setattr(reparam, "masked", lambda o, m, **k: calls.append(1) or real_masked(o, m, **k))  # no grad
+    real, real_masked = reparam.value.effective_with_grad, reparam.value.masked
+    monkeypatch.setattr(reparam.value, "effective_with_grad", lambda o, m: calls.append(1) or real(o, m))  # with grad
+    monkeypatch.setattr(reparam.value, "masked", lambda o, m, **k: calls.append(1) or real_masked(o, m, **k))  # no grad
     m = nn.Linear(16, 8)
     prune.l1_unstructured(m, "weight", 0.5)
     x = torch.randn(2, 16)

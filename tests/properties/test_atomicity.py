@@ -438,7 +438,7 @@ CORE_CASES: List[Case] = [
          faults={"load hook": _hook_fails}, trace=(TORCH_MODULE_PY,)),
     Case("unmask (undo)", lambda: _env(_prepruned), lambda e: reparam.unmask(e["model"][3], "weight", bake=False)),
     Case("apply_mask", lambda: _env(_prepruned),
-         lambda e: reparam.apply_mask(e["model"][4], "weight", torch.tensor([[1, 0, 1, 0], [0, 1, 1, 1]]))),
+         lambda e: prunekit.methods.apply_mask(e["model"][4], "weight", torch.tensor([[1, 0, 1, 0], [0, 1, 1, 1]]))),
 ]
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import prunekit
-from prunekit import reparam
+from prunekit import methods, reparam
 from prunekit.report import model_report
 from prunekit.training.report import sparsity_report
 
@@ -71,8 +71,8 @@ def test_questions_and_surgery_on_prunekit_and_torch_pruned_modules():
     mask = reparam.unmask(net[1], "bias", bake=False)  # torch's reparameterization, undone
     assert int((mask == 0).sum()) == 1 and torch.equal(net[1].bias.detach(), orig_values)
     assert not prunekit.is_pruned(net[1])
-    reparam.apply_mask(net[1], "bias", torch.tensor([1, 0]))
-    reparam.apply_mask(net[1], "bias", torch.tensor([0, 1]))  # a mask only loses ones
+    methods.apply_mask(net[1], "bias", torch.tensor([1, 0]))
+    methods.apply_mask(net[1], "bias", torch.tensor([0, 1]))  # a mask only loses ones
     assert net[1].bias_mask.tolist() == [0.0, 0.0]
     with pytest.raises(ValueError, match="is not masked"):
         reparam.unmask(net[1], "weight")

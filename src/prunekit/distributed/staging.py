@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import methods, reparam
+from ..reparam._internal import Snapshot, drop_cache
 from .errors import DistributedCheckpointError
 from .layout import is_dtensor
 
@@ -239,14 +240,14 @@ class StagedLoad:
 
         model = self._model
         assert model is not None
-        snapshots = [reparam.Snapshot(m) for m in {id(m): m for m, _, _ in self._new_masks}.values()]
+        snapshots = [Snapshot(m) for m in {id(m): m for m, _, _ in self._new_masks}.values()]
         modules = list(model.modules())
 
         def restore() -> None:
             for s in reversed(snapshots):
                 s.restore()
             for m in modules:
-                reparam.drop_cache(m)
+                drop_cache(m)
 
         undo.append(restore)
         for module, name, dtype in self._new_masks:
@@ -260,7 +261,7 @@ class StagedLoad:
             self._swap(name, target, undo)
         remask(model)  # keep pruned entries of the shards at zero
         for m in modules:
-            reparam.drop_cache(m)
+            drop_cache(m)
 
     def _commit_extra(self, undo: List[Callable[[], None]]) -> None:
         for name, parent, key, value in self._plain:

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import reparam
+from ..reparam._internal import Snapshot
 from ..importance import ActivationStats
 from ..methods import custom_from_mask
 from .blocks import BlockInput, block_output, capture_block_inputs, find_blocks, on_device, pre_hooks, run_block
@@ -307,7 +308,7 @@ def oneshot(
 
     report = OneshotReport(method, pattern if nm is None else f"{nm[0]}:{nm[1]}", sparsity,
                            blocks=len(block_list), options=dict(opts))
-    snapshots = {t.name: reparam.Snapshot(t.module) for t in layers}
+    snapshots = {t.name: Snapshot(t.module) for t in layers}
     saved: Dict[str, Tensor] = {}
     modes = [(m, m.training) for m in model.modules()]
     config = getattr(model, "config", None)

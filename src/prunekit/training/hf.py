@@ -57,6 +57,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from .. import pretrained, reparam
+from ..reparam._internal import Snapshot
 from ..io.reader import SAFETENSORS_TAGS, open_regular, read_safetensors_header, read_safetensors_tensor
 from .config import load_config
 from .wiring import PruningCallbacks, prepare_pruning
@@ -225,7 +226,7 @@ class PruningTrainerCallback(TrainerCallback, ExportableState):
                 self.pruning = adopted  # a callback rebuilt from the checkpoint: the masks are already there
                 created = False
             else:
-                snapshots = [reparam.Snapshot(m) for m in model.modules()]
+                snapshots = [Snapshot(m) for m in model.modules()]
         try:
             if self.pruning is None:
                 self.pruning = prepare_pruning(model, self.config)

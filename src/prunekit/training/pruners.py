@@ -39,10 +39,9 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 
 from torch import Tensor, nn
 
-from .. import _sharded
+from .. import _sharded, methods, reparam
 from .._backend import TORCH, Backend, FrameworkMismatchError, backend_of, is_module, is_tensor
-from .. import reparam
-from ..reparam import Snapshot
+from ..reparam._internal import Snapshot
 from ._optim import clear_pruned_state_, fill_second_moments_, release_second_moments_
 from ._undo import UndoLog, zero_where_
 from .allocation import check_feasible, global_counts, local_counts
@@ -183,7 +182,7 @@ def _ensure_mask(module: nn.Module, name: str, init: Optional[Tensor] = None) ->
     w = getattr(module, name)
     b = backend_of(w) or TORCH
     mask = b.ns.ones_like(w) if init is None else init.to(device=w.device, dtype=w.dtype)
-    reparam.apply_mask(module, name, mask)
+    methods.apply_mask(module, name, mask)
     return reparam.get_mask(module, name)
 
 

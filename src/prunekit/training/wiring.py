@@ -31,7 +31,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional
 from torch import nn
 
 from .._backend import TORCH, FrameworkMismatchError, backend_of, is_module, optimizer_backend
-from ..reparam import Snapshot
+from ..reparam._internal import Snapshot
 from ._undo import UndoLog
 from .config import PruningConfig, load_config
 from .pruners import Pruner, get_pruner, require_modules

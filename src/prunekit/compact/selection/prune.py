@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from ..._backend import require_torch
 from ...importance import Scorer
-from ... import reparam
+from ... import methods, reparam
 from ..trace.graph import DependencyGraph, Group, build_dependency_graph, check_graph
 from .importance import as_group_scorer, group_importance
 from ..surgery.journal import atomic
@@ -176,7 +176,7 @@ def _write_masks(graph: DependencyGraph, decisions: List[GroupDecision]) -> List
             for axis, parts in axes.items():
                 mask.index_fill_(axis, torch.cat(parts), 0)
             journal.module(owner)
-            reparam.apply_mask(owner, leaf, mask)
+            methods.apply_mask(owner, leaf, mask)
         n_units = sum(len(d.removed) for d in decisions)
         logger.info("prune_groups: masked %d units in %d tensors", n_units, len(gone))
         return decisions

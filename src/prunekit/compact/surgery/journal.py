@@ -10,7 +10,7 @@ module back as it was, newest first, with ``SIGINT`` deferred until it is done.
 The mechanism is :mod:`prunekit.transaction`'s (one for all of prunekit): a
 :class:`Journal` is a :class:`~prunekit.transaction.Transaction` whose module
 records re-derive mask caches and RNN flat weights after a restore
-(:func:`prunekit.reparam.after_restore`).
+(:func:`prunekit.reparam._internal.after_restore`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from ... import reparam
+from ...reparam._internal import after_restore
 from ...transaction import Transaction, finish, run_then_clean
 
 __all__ = ["Journal", "atomic", "finish", "run_then_clean"]
@@ -42,7 +42,7 @@ class Journal(Transaction):
     """
 
     def __init__(self) -> None:
-        super().__init__(reparam.after_restore)
+        super().__init__(after_restore)
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 import torch
 from torch import Tensor, nn
 
-from ... import reparam
+from ... import methods, reparam
 from ...io.compacted import CompactedModelError
 from .consistency import (
     Inconsistent,
@@ -445,5 +445,5 @@ def load_state(model: nn.Module, state_dict: Mapping[str, Tensor], journal: Jour
         base = key[: -len("_mask")]
         if key.endswith("_mask") and base + "_orig" in state_dict:
             owner, leaf = reparam.owner_of(model, base)
-            reparam.apply_mask(owner, leaf, state_dict[key])
+            methods.apply_mask(owner, leaf, state_dict[key])
     model.load_state_dict(state_dict)

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import Tensor, nn
 
-from ... import reparam
+from ... import methods, reparam
 from ..handlers import ModuleHandler
 from .journal import Journal
 
@@ -99,7 +99,7 @@ def shrink_module(
     for path, mask in masks.items():
         if not bool((mask != 0).all()):
             owner, leaf = reparam.owner_of(module, path)
-            reparam.apply_mask(owner, leaf, mask)
+            methods.apply_mask(owner, leaf, mask)
     entry: Dict[str, Any] = {
         "attrs": {k: list(v) if isinstance(v, tuple) else v for k, v in attrs.items()},
         "tensors": shapes,
