@@ -12,8 +12,7 @@ import importlib
 import logging
 from typing import Any
 
-from .base import BasePruningMethod
-from .container import PruningContainer
+from .base import BasePruningMethod, PruningContainer
 from ._backend import FrameworkMismatchError
 from .errors import PruningError
 from .global_ import global_unstructured

@@ -244,7 +244,7 @@ class _TensorPlayBackend(Backend):
         # no DLPack view: TensorPlay's own kernels (norms may differ from torch's in the last bit)
         if len(dims) <= 1:
             return self.ns.linalg.vector_norm(x, ord=order, dim=dims)
-        # multi-dim vector_norm is 20-90x slower than these reductions in TensorPlay 1.0.0
+        # several dims: plain reductions (TensorPlay's multi-dim vector_norm is far slower than them)
         if order == 2.0:
             return (x * x).sum(dim=dims).sqrt()
         if order == 1.0:

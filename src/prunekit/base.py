@@ -12,7 +12,7 @@ channels that still have a non-zero entry, for ``'global'`` methods all of
 the tensor. A float amount is therefore a fraction of what remains, and the
 mask only ever loses ones -- the semantics of ``torch.nn.utils.prune``.
 (The container lives here, beside ``apply``, which composes methods into it;
-:mod:`prunekit.container` re-exports it.)
+it is public as ``prunekit.PruningContainer``.)
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from . import _sharded, reparam
 from .reparam._internal import Snapshot, check_prunable
 from ._backend import TORCH, FrameworkMismatchError, backend_of, is_module, is_tensor, same_backend
 from .base import BasePruningMethod
-from .container import PruningContainer
+from .base import PruningContainer
 from .errors import PruningError
 from .kernels.amount import compute_nparams_to_prune, validate_pruning_amount
 from .kernels.select import NaNScoresError, keep_mask_smallest_multi

@@ -16,7 +16,7 @@ pytest.importorskip("safetensors")
 import safetensors.torch  # noqa: E402
 
 from prunekit.sparse import CorruptCheckpointError, load_compressed, save_compressed  # noqa: E402
-from prunekit.io.compressed import _pack_bits, _unpack_bits  # noqa: E402
+from prunekit.io.compressed.codec import _pack_bits, _unpack_bits  # noqa: E402
 
 
 def _prune_module():

@@ -216,14 +216,14 @@ def test_crafted_reasons_are_specific(saved):
 
 def test_duplicates_are_refused_before_any_tensor_is_read(saved, monkeypatch):
     """An index listing one entry N times costs no tensor read at all (it used to cost N decodes)."""
-    from prunekit.io import compressed
+    from prunekit.io.compressed import reader
 
     path, _, data = saved
     idx = _index(data)
     idx["tensors"].extend([dict(_entry(idx, "layer.weight"))] * 5000)
     reads = []
-    real = compressed._read_stored
-    monkeypatch.setattr(compressed, "_read_stored", lambda *a: reads.append(a[-1]) or real(*a))
+    real = reader._read_stored
+    monkeypatch.setattr(reader, "_read_stored", lambda *a: reads.append(a[-1]) or real(*a))
     with pytest.raises(CorruptCheckpointError, match="listed more than once"):
         _load_bytes(path, _with_index(data, idx))
     assert reads == []

@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("safetensors")
 
 from prunekit.io import atomic_path, atomic_write, save_compressed, write_json, write_text, write_with  # noqa: E402
+from prunekit.io import folders as folders_mod  # noqa: E402
 from prunekit.io import writer as writer_mod  # noqa: E402
 
 
@@ -262,7 +263,7 @@ def _reset(tmp_path, existing):
 
 
 def _write_folder(path):
-    with writer_mod.atomic_folder(path) as tmp:
+    with folders_mod.atomic_folder(path) as tmp:
         _fill(tmp, "new")
 
 
@@ -271,7 +272,7 @@ def _write_folder(path):
 def test_a_folder_replace_interrupted_at_every_step_keeps_the_old_folder_or_the_new(tmp_path, monkeypatch, swap,
                                                                                      existing):
     if swap == "two renames":  # a file system that cannot swap two names: the old is renamed aside first
-        monkeypatch.setattr(writer_mod, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(folders_mod, "_exchange", lambda a, b: False)
     target = str(tmp_path / "export")
 
     def check(error, steps):
@@ -291,14 +292,14 @@ def test_a_folder_replace_interrupted_at_every_step_keeps_the_old_folder_or_the_
 def test_a_folder_replace_that_fails_puts_the_old_folder_back(tmp_path, monkeypatch):
     _reset(tmp_path, True)
     target = str(tmp_path / "export")
-    real = writer_mod._fsync_dir
+    real = folders_mod._fsync_dir
 
     def fail_after_the_swap(d):  # the parent's fsync comes after the swap
         if d == str(tmp_path):
             raise OSError(errno.EIO, "I/O error")
         return real(d)
 
-    monkeypatch.setattr(writer_mod, "_fsync_dir", fail_after_the_swap)
+    monkeypatch.setattr(folders_mod, "_fsync_dir", fail_after_the_swap)
     with pytest.raises(OSError, match="I/O error"):
         _write_folder(target)
     assert _listing(tmp_path) == ["export"] and _tree(target) == OLD
@@ -367,3 +368,11 @@ def test_the_native_kernels_stamp_leaves_no_temp_at_any_step(tmp_path, monkeypat
             assert (tmp_path / "fingerprint.txt").read_text() == native._fingerprint()
 
     every_step(native.build, check)
+
+
+def test_atomic_folder_is_importable_from_the_writer_module_too():
+    from prunekit.io.writer import atomic_folder
+
+    assert atomic_folder is writer_mod.atomic_folder is folders_mod.atomic_folder
+    with pytest.raises(AttributeError, match="'prunekit.io.writer' has no attribute 'atomic_folders'"):
+        writer_mod.atomic_folders

@@ -16,7 +16,7 @@ The weights exported are the model's effective weights
 loads the folder back through compressed-tensors' own decompressor, bit-exact.
 
 The folder is written beside its final place and swapped in when complete
-(:func:`prunekit.io.writer.atomic_folder`): a failed or interrupted export
+(:func:`prunekit.io.folders.atomic_folder`): a failed or interrupted export
 never leaves a half-written model and never loses the export it replaces,
 and a reader finds the old export or the new one, never a missing folder.
 The folder stays the plain layout ``transformers``' ``from_pretrained`` and
@@ -61,7 +61,8 @@ from .reader import (
     read_safetensors_header,
     read_safetensors_tensor,
 )
-from .writer import _TMP_MARK, atomic_folder, resolve_target, write_json
+from .folders import atomic_folder
+from .writer import _TMP_MARK, resolve_target, write_json
 
 __all__ = ["write_compressed_tensors", "read_compressed_tensors", "sparsity_structure_of"]
 

@@ -35,7 +35,7 @@ collective.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 from torch import Tensor
 
@@ -121,13 +121,48 @@ def keep_mask_smallest_sharded(
     for i, (s, spec) in enumerate(zip(scores, specs)):
         spec.check(tuple(s.shape), f"scores[{i}]")
     dtype = _common_dtype(scores, b)
+    hist, nan, n_eligible = _histogram(scores, specs, eligible, dtype, comm, b)
+    bad = nan.nonzero().reshape(-1)
+    if bad.numel():
+        i = int(bad[0])
+        raise NaNScoresError(
+            f"scores contain {int(nan[i])} NaN value(s); NaN has no magnitude order, so no exact count can be "
+            "pruned. Replace them first (e.g. torch.nan_to_num) or pass importance_scores without NaN",
+            i,
+        )
+    available = int(n_eligible.sum())
+    k = k(available) if callable(k) else int(k)
+    if not 0 <= k <= available:
+        raise ValueError(f"cannot select k={k} entries out of {available}")
+    if k == 0:
+        return [xp.ones(tuple(s.shape), dtype=b.bool, device=s.device) for s in scores]
+    cum = hist.cumsum(0)
+    bucket = int(xp.searchsorted(cum, xp.tensor(k, dtype=cum.dtype, device=scores[0].device)))
+    below = int(cum[bucket - 1]) if bucket > 0 else 0
+    low_bits = 8 * _element_size(dtype, b) - 16
+    pos_bits = max(spec.global_numel for spec in specs).bit_length()
+    key_bits = (n - 1).bit_length() + pos_bits
+    keeps, cands = _split_at_bucket(scores, specs, eligible, dtype, bucket, low_bits, pos_bits, b)
+    boundary = _boundary_key(cands, comm, rank=k - below, live_total=int(hist[bucket]),
+                             plan=_digit_plan(low_bits, key_bits), b=b)
+    low_star, key_star = boundary
+    for keep, c in zip(keeps, cands):
+        if c.pos.numel():
+            keep[c.pos] = (c.low > low_star) | ((c.low == low_star) & (c.key > key_star))
+    return [keep.view(tuple(s.shape)) for keep, s in zip(keeps, scores)]
+
+
+def _histogram(scores: Sequence[Tensor], specs: Sequence[ShardSpec], eligible: List[Optional[Tensor]], dtype: Any,
+               comm: Communicator, b: Backend) -> Tuple[Tensor, Tensor, Tensor]:
+    """Pass 1: the magnitude-bucket histogram over all ranks, and each tensor's NaN and eligible counts.
+
+    One all-reduce for all of them. Entries are bucketed ``CHUNK`` at a time,
+    so the workspace is a few hundred KiB whatever the shard's size.
+    """
+    xp, n, device = b.ns, len(scores), scores[0].device
     inf_bucket = _float_dtypes(b)[dtype]
     total = sum(spec.global_numel for spec in specs)
     count_dtype = b.ns.int32 if total < 2**31 else b.int64
-    device = scores[0].device
-
-    # Pass 1: local histograms, NaN and eligible counts; one all-reduce for all of them. Entries are
-    # bucketed CHUNK at a time, so the workspace is a few hundred KiB whatever the shard's size.
     hist = xp.zeros(_BUCKETS, dtype=b.int64, device=device)
     nan = xp.zeros(n, dtype=b.int64, device=device)
     n_eligible = xp.zeros(n, dtype=b.int64, device=device)
@@ -149,29 +184,14 @@ def keep_mask_smallest_sharded(
         nan[i] = n_nan
         n_eligible[i] = flat.numel() - inelig
     summed = comm.all_reduce_sum(xp.cat([hist, nan, n_eligible]).to(count_dtype)).to(b.int64)
-    hist, nan, n_eligible = summed[:_BUCKETS], summed[_BUCKETS:_BUCKETS + n], summed[_BUCKETS + n:]
-    bad = nan.nonzero().reshape(-1)
-    if bad.numel():
-        i = int(bad[0])
-        raise NaNScoresError(
-            f"scores contain {int(nan[i])} NaN value(s); NaN has no magnitude order, so no exact count can be "
-            "pruned. Replace them first (e.g. torch.nan_to_num) or pass importance_scores without NaN",
-            i,
-        )
-    available = int(n_eligible.sum())
-    k = k(available) if callable(k) else int(k)
-    if not 0 <= k <= available:
-        raise ValueError(f"cannot select k={k} entries out of {available}")
-    if k == 0:
-        return [xp.ones(tuple(s.shape), dtype=b.bool, device=s.device) for s in scores]
-    cum = hist.cumsum(0)
-    bucket = int(xp.searchsorted(cum, xp.tensor(k, dtype=cum.dtype, device=device)))
-    below = int(cum[bucket - 1]) if bucket > 0 else 0
+    return summed[:_BUCKETS], summed[_BUCKETS:_BUCKETS + n], summed[_BUCKETS + n:]
 
-    # Pass 2: above the bucket kept, below it selected; the bucket's entries become candidates.
-    low_bits = 8 * _element_size(dtype, b) - 16
-    pos_bits = max(spec.global_numel for spec in specs).bit_length()
-    key_bits = (n - 1).bit_length() + pos_bits
+
+def _split_at_bucket(scores: Sequence[Tensor], specs: Sequence[ShardSpec], eligible: List[Optional[Tensor]],
+                     dtype: Any, bucket: int, low_bits: int, pos_bits: int,
+                     b: Backend) -> Tuple[List[Tensor], List[_Candidates]]:
+    """Pass 2: entries above ``bucket`` kept, below it selected; the bucket's entries become candidates."""
+    xp, device = b.ns, scores[0].device
     keeps: List[Tensor] = []
     cands: List[_Candidates] = []
     for i, (s, spec) in enumerate(zip(scores, specs)):
@@ -188,14 +208,7 @@ def keep_mask_smallest_sharded(
         key = spec.global_positions(pos) + (i << pos_bits)
         keeps.append(keep)
         cands.append(_Candidates(pos, low, key, spec.counted))
-
-    boundary = _boundary_key(cands, comm, rank=k - below, live_total=int(hist[bucket]),
-                             plan=_digit_plan(low_bits, key_bits), b=b)
-    low_star, key_star = boundary
-    for keep, c in zip(keeps, cands):
-        if c.pos.numel():
-            keep[c.pos] = (c.low > low_star) | ((c.low == low_star) & (c.key > key_star))
-    return [keep.view(tuple(s.shape)) for keep, s in zip(keeps, scores)]
+    return keeps, cands
 
 
 def _element_size(dtype, b: Backend) -> int:

@@ -224,21 +224,10 @@ def _solve_prunekit(w_dense: Tensor, xtx: Tensor, cross: Optional[Tensor], spars
 
 
 def oneshot(
-    model: nn.Module,
-    calibration: Iterable[Any],
-    *,
-    sparsity: float = 0.5,
-    pattern: str = "unstructured",
-    method: str = "prunekit",
-    targets: Patterns = None,
-    ignore: Patterns = None,
-    tokenizer: Any = None,
-    blocks: Any = None,
-    device: Any = None,
-    batch_size: int = 16,
-    max_length: int = 128,
-    options: Optional[Dict[str, Any]] = None,
-    progress: Optional[Callable[[int, int, str], None]] = None,
+    model: nn.Module, calibration: Iterable[Any], *, sparsity: float = 0.5, pattern: str = "unstructured",
+    method: str = "prunekit", targets: Patterns = None, ignore: Patterns = None, tokenizer: Any = None,
+    blocks: Any = None, device: Any = None, batch_size: int = 16, max_length: int = 128,
+    options: Optional[Dict[str, Any]] = None, progress: Optional[Callable[[int, int, str], None]] = None,
 ) -> OneshotReport:
     """Prune ``model``'s linear layers in one shot from ``calibration`` data, block by block.
 
@@ -278,30 +267,9 @@ def oneshot(
     """
     nm = parse_pattern(pattern)
     sparsity = _check_sparsity(sparsity, nm)
-    if method not in METHODS:
-        raise ValueError(f"method={method!r} is unknown; use one of {', '.join(METHODS)}")
-    opts = dict(PRUNEKIT_DEFAULTS if method == "prunekit" else _FAST if method == "prunekit-fast" else _FAITHFUL)
-    for k, v in (options or {}).items():
-        if k not in opts:
-            raise ValueError(f"options: {k!r} is not an option of method {method!r}; use some of {sorted(opts)}")
-        opts[k] = v
-    for k in ("batch_size", "max_length"):
-        v = locals()[k]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{k} must be a positive int, got {v!r}")
+    opts = _method_options(method, options, batch_size=batch_size, max_length=max_length)
     t_start = time.perf_counter()
-    block_list = find_blocks(model, blocks)
-    layers = find_targets(block_list, targets, ignore)
-    if not layers:
-        raise ValueError(f"no layer to prune: no linear layer inside the {len(block_list)} blocks of "
-                         f"{type(model).__name__} matches targets={targets!r} and not ignore={ignore!r}")
-    for t in layers:
-        if reparam.is_pruned(t.module):
-            raise ValueError(f"layer {t.name!r} is already pruned (it has weight_orig/weight_mask); call "
-                             "prunekit.remove(module, 'weight') first, or leave it out with ignore=")
-        if nm is not None and t.in_features % nm[1]:
-            raise ValueError(f"layer {t.name!r}: pattern {pattern!r} needs in_features divisible by {nm[1]}, got "
-                             f"{t.in_features}; leave it out with ignore=")
+    block_list, layers = _layers_to_prune(model, blocks, targets, ignore, nm, pattern)
     batches = [] if method == "magnitude" else _prepare_calibration(calibration, tokenizer, batch_size, max_length)
     if method != "magnitude" and not batches:
         raise ValueError(f"method={method!r} needs calibration data: got no batch")
@@ -325,14 +293,7 @@ def oneshot(
         if use_cache:
             config.use_cache = False
         if method == "magnitude":
-            for t in layers:
-                t0 = time.perf_counter()
-                keep = magnitude_prune(t.matrix().detach(), sparsity, nm)
-                _write(t, keep, None)
-                report.layers.append(LayerResult(t.name, t.block, tuple(t.matrix().shape), int((~keep).sum()),
-                                                 keep.numel(), None, time.perf_counter() - t0))
-                if progress is not None and (t is layers[-1] or layers[layers.index(t) + 1].block != t.block):
-                    progress(t.block + 1, len(block_list), block_list[t.block][0])
+            _prune_by_magnitude(layers, block_list, sparsity, nm, report, progress)
         else:
             _run_sequential(model, block_list, layers, batches, method, sparsity, nm, opts, device, report,
                             saved, progress)
@@ -348,6 +309,53 @@ def oneshot(
                 if t.name in saved:
                     t.param.copy_(saved[t.name].to(t.param.device))
         raise
+
+
+def _method_options(method: str, options: Optional[Dict[str, Any]], **counts: Any) -> Dict[str, Any]:
+    """The options ``method`` runs with: its defaults updated by ``options``; refuses an unknown method, an
+    unknown option and ``counts`` (``batch_size``, ``max_length``) that are not positive ints."""
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is unknown; use one of {', '.join(METHODS)}")
+    opts = dict(PRUNEKIT_DEFAULTS if method == "prunekit" else _FAST if method == "prunekit-fast" else _FAITHFUL)
+    for k, v in (options or {}).items():
+        if k not in opts:
+            raise ValueError(f"options: {k!r} is not an option of method {method!r}; use some of {sorted(opts)}")
+        opts[k] = v
+    for k, v in counts.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{k} must be a positive int, got {v!r}")
+    return opts
+
+
+def _layers_to_prune(model: nn.Module, blocks: Any, targets: Patterns, ignore: Patterns, nm: NM,
+                     pattern: str) -> Tuple[List[Tuple[str, nn.Module]], List[Target]]:
+    """The model's blocks and the layers in them to prune; refuses none, a pruned one, or one ``nm`` cannot cut."""
+    block_list = find_blocks(model, blocks)
+    layers = find_targets(block_list, targets, ignore)
+    if not layers:
+        raise ValueError(f"no layer to prune: no linear layer inside the {len(block_list)} blocks of "
+                         f"{type(model).__name__} matches targets={targets!r} and not ignore={ignore!r}")
+    for t in layers:
+        if reparam.is_pruned(t.module):
+            raise ValueError(f"layer {t.name!r} is already pruned (it has weight_orig/weight_mask); call "
+                             "prunekit.remove(module, 'weight') first, or leave it out with ignore=")
+        if nm is not None and t.in_features % nm[1]:
+            raise ValueError(f"layer {t.name!r}: pattern {pattern!r} needs in_features divisible by {nm[1]}, got "
+                             f"{t.in_features}; leave it out with ignore=")
+    return block_list, layers
+
+
+def _prune_by_magnitude(layers: List[Target], block_list: List[Tuple[str, nn.Module]], sparsity: float, nm: NM,
+                        report: OneshotReport, progress: Optional[Callable[[int, int, str], None]]) -> None:
+    """``method="magnitude"``: each layer's smallest weights, no calibration; ``progress`` after each block."""
+    for t in layers:
+        t0 = time.perf_counter()
+        keep = magnitude_prune(t.matrix().detach(), sparsity, nm)
+        _write(t, keep, None)
+        report.layers.append(LayerResult(t.name, t.block, tuple(t.matrix().shape), int((~keep).sum()),
+                                         keep.numel(), None, time.perf_counter() - t0))
+        if progress is not None and (t is layers[-1] or layers[layers.index(t) + 1].block != t.block):
+            progress(t.block + 1, len(block_list), block_list[t.block][0])
 
 
 def _run_sequential(model: nn.Module, block_list: List[Tuple[str, nn.Module]], layers: List[Target],

@@ -242,23 +242,7 @@ def shrink(
     goal = Target.parse(target, measure, count({}, blocks_only=blocks_only))
     full = dict(sm.units)
     dense = Candidate(full, sm.params({}), sm.macs({}), plan.objective(model))
-    if sizes is not None:
-        found = [_explicit(sm, plan, sizes, full)]
-    else:
-        chosen_axes, link = _axes(plan.width, sm, model_type, axes)
-        steps = _steps(full, round_to)
-        if link is not None:  # the hidden size stays a whole number of heads
-            head = plan.width.axes[HEADS].unit_width
-            steps[HIDDEN] = steps.get(HIDDEN, 1) * head // math.gcd(steps.get(HIDDEN, 1), head)
-        least = {EXPERTS: sm.top_k} if sm.top_k else {}  # a router picks top_k experts per token
-        found = grid_candidates(sm, chosen_axes, goal, plan.block_order, grid=grid, steps=steps, link=link,
-                                least=least, blocks_only=blocks_only)
-        if not found:
-            raise ValueError(f"prunekit.shrink: no mix of {chosen_axes} brings {model_type} to {goal.limit:,} {measure} "
-                             f"(dense {goal.dense:,}); allow more axes, a finer grid, or a larger target")
-        if len(found) > max_candidates:
-            stride = len(found) / max_candidates
-            found = [found[int(i * stride)] for i in range(max_candidates)]
+    found = _candidates(plan, model_type, goal, sizes, axes, grid, round_to, max_candidates, blocks_only)
     for c in found:
         c.sizes = dict(full, **c.sizes)
         c.score = plan.score(c)
@@ -279,6 +263,31 @@ def shrink(
                               plan.objective(model), time.perf_counter() - started, fits)
         logger.info("shrink: %r", report)
         return report
+
+
+def _candidates(plan: _Plan, model_type: str, goal: Target, sizes: Optional[Dict[str, int]],
+                axes: Optional[Sequence[str]], grid: Optional[Dict[str, Sequence[float]]], round_to: Optional[int],
+                max_candidates: int, blocks_only: bool) -> List[Candidate]:
+    """The candidates to score: the grid's that meet ``goal`` (at most ``max_candidates``), or ``sizes``."""
+    sm, measure = plan.sizes, goal.measure
+    full = dict(sm.units)
+    if sizes is not None:
+        return [_explicit(sm, plan, sizes, full)]
+    chosen_axes, link = _axes(plan.width, sm, model_type, axes)
+    steps = _steps(full, round_to)
+    if link is not None:  # the hidden size stays a whole number of heads
+        head = plan.width.axes[HEADS].unit_width
+        steps[HIDDEN] = steps.get(HIDDEN, 1) * head // math.gcd(steps.get(HIDDEN, 1), head)
+    least = {EXPERTS: sm.top_k} if sm.top_k else {}  # a router picks top_k experts per token
+    found = grid_candidates(sm, chosen_axes, goal, plan.block_order, grid=grid, steps=steps, link=link,
+                            least=least, blocks_only=blocks_only)
+    if not found:
+        raise ValueError(f"prunekit.shrink: no mix of {chosen_axes} brings {model_type} to {goal.limit:,} {measure} "
+                         f"(dense {goal.dense:,}); allow more axes, a finer grid, or a larger target")
+    if len(found) > max_candidates:
+        stride = len(found) / max_candidates
+        found = [found[int(i * stride)] for i in range(max_candidates)]
+    return found
 
 
 def _explicit(sm: SizeModel, plan: _Plan, sizes: Dict[str, int], full: Dict[str, int]) -> Candidate:

@@ -14,7 +14,7 @@
   builds them; without them torch's kernels are used.
 """
 
-from .checkpoint import CorruptCheckpointError, load_compressed, save_compressed
+from ..io import CorruptCheckpointError, load_compressed, save_compressed
 from .inference import (
     LayerDecision,
     SparsifyReport,

@@ -38,6 +38,7 @@ from torch import nn
 from .._backend import require_torch
 from . import native
 from .modules import SemiStructuredLinear, SparseInferenceModule, conv2d_unsupported_reason
+from .modules.semi_structured import _semi_structured_backend, _semi_structured_unsupported, check_n_m_pattern
 from .policies import POLICIES, candidates, measure_in_context, policies_for_format, preferred
 
 __all__ = [
@@ -150,68 +151,6 @@ class SparsifyReport:
 
 
 # --------------------------------------------------------------------------- #
-# pattern checks (pure)
-# --------------------------------------------------------------------------- #
-def check_n_m_pattern(weight: torch.Tensor, n: int = 2, m: int = 4) -> Tuple[bool, str]:
-    """Whether every group of ``m`` consecutive inputs holds at most ``n`` non-zeros.
-
-    Groups run along the last (input) dimension of ``weight`` viewed as 2-D
-    ``(out, in)``, which is what semi-structured kernels require.
-
-    Examples:
-        >>> import torch
-        >>> from prunekit.sparse import check_n_m_pattern
-        >>> check_n_m_pattern(torch.tensor([[1., 0., 2., 0., 0., 3., 0., 4.]]))
-        (True, 'every group of 4 inputs holds at most 2 non-zeros')
-        >>> check_n_m_pattern(torch.tensor([[1., 1., 1., 0.]]))[0]
-        False
-    """
-    if not (isinstance(n, int) and isinstance(m, int) and 0 <= n <= m and m > 0):
-        raise ValueError(f"check_n_m_pattern: need integers 0 <= n <= m, m > 0; got n={n!r}, m={m!r}")
-    w = weight.detach()
-    if w.dim() < 2:
-        return False, f"weight has {w.dim()} dimension(s); an N:M pattern needs a 2-D (out, in) weight"
-    w2 = w.reshape(w.shape[0], -1)
-    cols = w2.shape[1]
-    if cols % m:
-        return False, f"the input dimension ({cols}) is not a multiple of {m}"
-    counts = (w2 != 0).reshape(w2.shape[0], cols // m, m).sum(dim=-1)
-    bad = int((counts > n).sum())
-    if bad:
-        return False, (f"{bad} of {counts.numel()} groups of {m} inputs hold more than {n} non-zeros "
-                       f"(prune with a {n}:{m} pattern first)")
-    return True, f"every group of {m} inputs holds at most {n} non-zeros"
-
-
-def _semi_structured_backend() -> Any:
-    """The ``SparseSemiStructuredTensor`` subclass ``to_sparse_semi_structured`` would use."""
-    from torch.sparse import SparseSemiStructuredTensor, SparseSemiStructuredTensorCUSPARSELT
-
-    cusparselt = getattr(torch.backends, "cusparselt", None)
-    has_cslt = bool(cusparselt is not None and cusparselt.is_available())
-    if SparseSemiStructuredTensor._FORCE_CUTLASS or not has_cslt:
-        return torch.sparse.SparseSemiStructuredTensorCUTLASS
-    return SparseSemiStructuredTensorCUSPARSELT
-
-
-def _semi_structured_unsupported(weight: torch.Tensor, backend: Any) -> str:
-    """Why the 2:4 kernels cannot take this weight ('' when they can), per PyTorch's documented limits."""
-    if weight.device.type != "cuda":
-        return (f"semi-structured (2:4) sparse kernels run only on CUDA devices; this layer is on "
-                f"{weight.device.type}")
-    limits = getattr(backend, "_DTYPE_SHAPE_CONSTRAINTS", {})
-    if weight.dtype not in limits:
-        names = ", ".join(str(d).replace("torch.", "") for d in limits)
-        return f"dtype {weight.dtype} is not supported by the {backend.__name__} kernels ({names})"
-    rows, cols = weight.shape
-    c = limits[weight.dtype]
-    if rows < c.sparse_min_rows or rows % c.sparse_min_rows or cols < c.sparse_min_cols or cols % c.sparse_min_cols:
-        return (f"shape {tuple(weight.shape)} is not a multiple of ({c.sparse_min_rows}, {c.sparse_min_cols}) "
-                f"as the {weight.dtype} kernels require")
-    return ""
-
-
-# --------------------------------------------------------------------------- #
 # output check
 # --------------------------------------------------------------------------- #
 def _tolerance(dtype: torch.dtype) -> float:
@@ -296,17 +235,9 @@ def _swap(model: nn.Module, replacements: Dict[int, nn.Module], result: Any) -> 
 
 
 def sparsify_for_inference(
-    model: nn.Module,
-    *,
-    example_inputs: Any = None,
-    batch_size: int = 8,
-    format: str = "auto",
-    min_sparsity: float = 0.5,
-    min_speedup: float = 1.2,
-    measure: bool = True,
-    budget_ms: float = 100.0,
-    keep_original: bool = True,
-    layer_types: Sequence[str] = ("linear", "conv2d"),
+    model: nn.Module, *, example_inputs: Any = None, batch_size: int = 8, format: str = "auto",
+    min_sparsity: float = 0.5, min_speedup: float = 1.2, measure: bool = True, budget_ms: float = 100.0,
+    keep_original: bool = True, layer_types: Sequence[str] = ("linear", "conv2d"),
     policies: Optional[Sequence[str]] = None,
 ) -> SparsifyReport:
     """Run pruned ``Linear``/``Conv2d`` layers on the fastest measured sparse kernel, where that beats dense.
@@ -370,6 +301,27 @@ def sparsify_for_inference(
         'Linear'
     """
     require_torch(model, "prunekit.sparse (sparsify_for_inference)")
+    wanted = _check_arguments(model, format, min_sparsity, min_speedup, batch_size, layer_types, policies)
+    report = SparsifyReport(format=format, device_note=_device_note(format, wanted))
+    layers = _candidates(model, layer_types, report)
+    inputs = _capture_inputs(model, layers, example_inputs) if example_inputs is not None and layers else {}
+    replacements: Dict[int, nn.Module] = {}
+    with torch.no_grad():
+        for name, mod in layers.items():
+            decision, new = _decide(name, mod, inputs.get(name), example_inputs is not None, batch_size, format,
+                                    wanted, float(min_sparsity), float(min_speedup), measure, budget_ms / 1e3,
+                                    keep_original)
+            report.layers.append(decision)
+            if new is not None:
+                replacements[id(mod)] = new
+    _sort_and_log(model, report)
+    # Every decision is made without touching the model; now swap, all or nothing, as the last step.
+    return _swap(model, replacements, report)
+
+
+def _check_arguments(model: Any, format: str, min_sparsity: float, min_speedup: float, batch_size: int,
+                     layer_types: Sequence[str], policies: Optional[Sequence[str]]) -> List[str]:
+    """Refuse bad arguments of :func:`sparsify_for_inference`; return the policies it may try, in order."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"sparsify_for_inference: expected an nn.Module, got {type(model).__name__}")
     if format not in _FORMATS:
@@ -384,29 +336,39 @@ def sparsify_for_inference(
     if unknown:
         raise ValueError(f"sparsify_for_inference: unknown layer_types {sorted(unknown)}; use 'linear', 'conv2d'")
     wanted = list(policies_for_format(format))
-    if policies is not None:
-        if isinstance(policies, str):
-            raise TypeError(f"sparsify_for_inference: policies={policies!r} must be a list of names, "
-                            f"e.g. [{policies!r}]")
-        bad = [p for p in policies if p not in POLICIES]
-        if bad or not policies:
-            raise ValueError(f"sparsify_for_inference: unknown policies {bad or list(policies)}; "
-                             f"use names from {list(POLICIES)}")
-        wanted = [p for p in policies if p in wanted]
-        if not wanted:
-            raise ValueError(f"sparsify_for_inference: none of policies={list(policies)} belongs to "
-                             f"format={format!r} ({list(policies_for_format(format))})")
+    if policies is None:
+        return wanted
+    if isinstance(policies, str):
+        raise TypeError(f"sparsify_for_inference: policies={policies!r} must be a list of names, "
+                        f"e.g. [{policies!r}]")
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or not policies:
+        raise ValueError(f"sparsify_for_inference: unknown policies {bad or list(policies)}; "
+                         f"use names from {list(POLICIES)}")
+    wanted = [p for p in policies if p in wanted]
+    if not wanted:
+        raise ValueError(f"sparsify_for_inference: none of policies={list(policies)} belongs to "
+                         f"format={format!r} ({list(policies_for_format(format))})")
+    return wanted
 
-    report = SparsifyReport(format=format)
+
+def _device_note(format: str, wanted: List[str]) -> str:
+    """Why this process cannot run some of the ``wanted`` policies ('' when it can run them all)."""
     if format == "2:4" and not torch.cuda.is_available():
-        report.device_note = ("no CUDA device: 2:4 semi-structured kernels need one, so the pattern is only "
-                              "validated and no layer is converted")
-    elif not native.available() and any(not p.startswith(("2:4", "channels")) and "torch" not in p
-                                        for p in wanted):
-        report.device_note = f"prunekit's compiled kernels: {native.unavailable_reason()}"
+        return ("no CUDA device: 2:4 semi-structured kernels need one, so the pattern is only "
+                "validated and no layer is converted")
+    if not native.available() and any(not p.startswith(("2:4", "channels")) and "torch" not in p for p in wanted):
+        return f"prunekit's compiled kernels: {native.unavailable_reason()}"
+    return ""
 
-    # Candidates, named by their first path; layers inside MultiheadAttention are
-    # read directly by their parent's forward and cannot be swapped.
+
+def _candidates(model: nn.Module, layer_types: Sequence[str], report: SparsifyReport) -> Dict[str, nn.Module]:
+    """The layers to decide on, named by their first path; those that cannot be swapped go to ``report``.
+
+    Layers inside ``MultiheadAttention`` are read directly by their parent's
+    forward, the model itself cannot be replaced in place, and a lazy layer
+    has no weight yet.
+    """
     layers: Dict[str, nn.Module] = {}
     mha_children = set()
     for _, mod in model.named_modules():
@@ -429,29 +391,17 @@ def sparsify_for_inference(
             report.layers.append(LayerDecision(name, kind, (), 0.0, False, "lazy layer not initialized yet"))
             continue
         layers[name] = mod
+    return layers
 
-    inputs: Dict[str, torch.Tensor] = {}
-    if example_inputs is not None and layers:
-        inputs = _capture_inputs(model, layers, example_inputs)
 
-    replacements: Dict[int, nn.Module] = {}
-    with torch.no_grad():
-        for name, mod in layers.items():
-            decision, new = _decide(name, mod, inputs.get(name), example_inputs is not None, batch_size, format,
-                                    wanted, float(min_sparsity), float(min_speedup), measure, budget_ms / 1e3,
-                                    keep_original)
-            report.layers.append(decision)
-            if new is not None:
-                replacements[id(mod)] = new
-
+def _sort_and_log(model: nn.Module, report: SparsifyReport) -> None:
+    """Put the report's decisions in the model's module order and log each one."""
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     report.layers.sort(key=lambda d: order.get(d.name, len(order)))
     for d in report.layers:
         logger.info("sparsify_for_inference: %s %s%s sparsity %.1f%%: %s (%s) %s", d.name, d.kind, list(d.shape),
                     100 * d.sparsity, f"converted to {d.policy}" if d.converted else "kept dense", d.reason,
                     d.timings_line())
-    # Every decision is made without touching the model; now swap, all or nothing, as the last step.
-    return _swap(model, replacements, report)
 
 
 def _sparsity(weight: torch.Tensor) -> float:

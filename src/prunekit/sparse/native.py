@@ -2,12 +2,13 @@
 
 The kernels (``csrc/linear.cpp``) compute ``x @ W.T + b`` for a weight ``W``
 stored as CSR (int32 row pointers, int16 or int32 column indices) or as BSR
-with the 4x1 / 1x4 blocks the training pruners produce. On the 2-core
-development machine they beat torch's own CSR path (MKL) at every sparsity
-and batch measured (``benchmarks/bench_sparse.py --parts kernels`` prints the
-comparison), for three reasons the source explains: no per-call index
-conversion or transposed copies, a layout that keeps each chunk of the input
-in cache, and threads taken from ATen's own OpenMP pool.
+with the 4x1 / 1x4 blocks the training pruners produce. They differ from
+torch's own CSR path (MKL) in three ways the source explains: no per-call
+index conversion or transposed copies, a layout that keeps each chunk of the
+input in cache, and threads taken from ATen's own OpenMP pool
+(``benchmarks/bench_sparse.py --parts kernels`` compares the two on a given
+machine; :func:`prunekit.sparse.sparsify_for_inference` measures every
+policy in context and keeps the fastest).
 
 They are built once per machine, by ``make kernels`` (``make test`` depends on
 it) or ``prunekit.sparse.native.build()``, with
@@ -88,7 +89,7 @@ def _stamp_path() -> Path:
 
 
 def build(verbose: bool = False) -> Path:
-    """Compile the kernels for this machine (about a minute) and load them; returns the library's path.
+    """Compile the kernels for this machine and load them; returns the library's path.
 
     Needs g++ and ninja. Raises ``RuntimeError`` (from :mod:`torch.utils.cpp_extension`)
     when the compiler fails.

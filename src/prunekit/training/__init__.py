@@ -19,11 +19,11 @@ from .pruners import (
     SnipMomentumPruner,
     SnipPruner,
     get_pruner,
-    select_modules,
 )
 from .registry import PRUNERS, register_pruners
 from .report import LayerSparsity, SparsityReport, sparsity_report
 from .schedules import IterativeScheduler, OneshotScheduler, Scheduler, get_scheduler
+from .selection import select_modules
 from .wiring import PruningCallbacks, prepare_pruning
 
 __all__ = [

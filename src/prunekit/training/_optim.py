@@ -11,11 +11,11 @@ zero *whatever the second moment holds* (``0 / (sqrt(v) + eps) = 0``, and
 ``param + (-lr) * 0`` leaves every bit of ``param`` as it was). A second
 moment of exactly zero is nevertheless expensive: PyTorch's CPU ``sqrt`` for
 float32/float64 calls Intel MKL's VML ``vmsSqrt`` (high-accuracy mode,
-``VML_FTZDAZ_OFF``), which sends exact zeros and infinities down a slow
-special-value path -- about 45x slower per element than ordinary values on
-the machine this was measured on, and ``torch.set_flush_denormal`` does not
-change it (nor is it about denormals: NumPy's ``sqrt`` and PyTorch's own
-bfloat16 ``sqrt`` do not use VML and are fast on zeros).
+``VML_FTZDAZ_OFF``), which sends exact zeros and infinities down a
+special-value path far slower per element than the one for ordinary values;
+``torch.set_flush_denormal`` does not change it (nor is it about denormals:
+NumPy's ``sqrt`` and PyTorch's own bfloat16 ``sqrt`` do not use VML and take
+the ordinary path for zeros).
 
 So the second moments at pruned entries hold :data:`TINY` (``2**-100``)
 instead of zero. It is far below anything that matters (``sqrt(TINY)`` is

@@ -355,6 +355,15 @@ def load_config(config: Any, model: Any = None) -> PruningConfig:
     )
 
 
+def _as_config(config: Any) -> PrunerConfig:
+    """One pruner's config: a :class:`PrunerConfig` as is, a dict through :meth:`PrunerConfig.from_dict`."""
+    if isinstance(config, PrunerConfig):
+        return config
+    if isinstance(config, Mapping):
+        return PrunerConfig.from_dict(config)
+    raise TypeError(f"config={config!r} ({type(config).__name__}): pass a PrunerConfig or a dict of pruner keys")
+
+
 # ---------------------------------------------------------------------- helpers
 _SHORT = reprlib.Repr()
 _SHORT.maxstring = _SHORT.maxother = 120

@@ -1,9 +1,11 @@
-"""Sparsity of a model as data: overall, per layer, element-wise and block-wise.
+"""Sparsity of the modules a pruning run drives: a view of :class:`prunekit.ModelReport`.
 
-The figures are measured with :mod:`prunekit.measure`, the machinery of
-:func:`prunekit.model_report` (the same effective tensors, the same counting), so the two reports agree on
-every tensor they both cover; this one adds block-wise sparsity under any
-pruning pattern and selects layers by module name.
+:func:`sparsity_report` measures the chosen modules' weights with
+:func:`prunekit.measure.report_layers`, the machinery of
+:func:`prunekit.model_report` (the same effective tensors, the same counting),
+and presents that report by module name: every element-wise figure of a
+:class:`SparsityReport` is the :class:`~prunekit.ModelReport`'s. What the view
+adds is block-wise sparsity under each module's pruning pattern.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from typing import Any, Dict, List, Mapping, Optional
 from torch import Tensor, nn
 
 from .. import reparam
-from ..measure import block_counts, count, effective_tensors, fraction, totals
-from ..kernels.patterns import get_pattern
+from ..kernels.patterns import Pattern, get_pattern
+from ..measure import LayerReport, block_counts, effective_tensors, fraction, report_layers
 
 __all__ = ["LayerSparsity", "SparsityReport", "sparsity_report"]
 
@@ -66,6 +68,18 @@ def _layer_tensor(module: nn.Module, module_name: str, weight_name: str,
     return reparam.effective(module, weight_name)  # AttributeError naming the module when it has none
 
 
+def _layer_view(module_name: str, entry: LayerReport, w: Tensor, pattern: Optional[Pattern]) -> LayerSparsity:
+    """The report's entry of one module's weight, by module name, with its blocks under ``pattern``."""
+    view = LayerSparsity(module_name, entry.shape, entry.numel, entry.numel - entry.nonzero, entry.sparsity)
+    if pattern is not None:
+        counted = block_counts(w != 0, pattern)
+        if counted is not None:
+            view.pattern = pattern.name
+            view.blocks, view.zero_blocks = counted
+            view.block_sparsity = fraction(view.zero_blocks, view.blocks)
+    return view
+
+
 def sparsity_report(model: nn.Module, layers: Optional[Mapping[str, Optional[Any]]] = None,
                     weight_name: str = "weight") -> SparsityReport:
     """Measure sparsity from the weights the model actually uses (``orig * mask``).
@@ -91,33 +105,24 @@ def sparsity_report(model: nn.Module, layers: Optional[Mapping[str, Optional[Any
     tensors, masked, _ = effective_tensors(model)
     if layers is None:
         layers = {n: None for n in named if (f"{n}.{weight_name}" if n else weight_name) in masked}
-    rep = SparsityReport()
-    block_total = block_zero = 0
-    any_blocks = False
+    weights: Dict[str, Tensor] = {}
+    patterns: Dict[str, Optional[Pattern]] = {}
     for name, pat in layers.items():
         if name not in named:
             raise ValueError(f"sparsity_report: the model has no module named {name!r}")
-        w = _layer_tensor(named[name], name, weight_name, tensors)
-        numel, nonzero = count(w)
-        zeros = numel - nonzero
-        entry = LayerSparsity(name, tuple(w.shape), numel, zeros, fraction(zeros, numel))
-        if pat is not None:
-            p = get_pattern(pat)
-            counted = block_counts(w != 0, p)
-            if counted is not None:
-                entry.pattern = p.name
-                entry.blocks, entry.zero_blocks = counted
-                entry.block_sparsity = fraction(entry.zero_blocks, entry.blocks)
-                block_total += entry.blocks
-                block_zero += entry.zero_blocks
-                any_blocks = True
-        rep.layers.append(entry)
-        rep.numel_layers += numel
-        rep.zeros_layers += zeros
-    rep.numel_all, nonzero_all = totals(tensors)
-    rep.zeros_all = rep.numel_all - nonzero_all
-    rep.elementwise_over_layers = fraction(rep.zeros_layers, rep.numel_layers)
-    rep.elementwise_over_all = fraction(rep.zeros_all, rep.numel_all)
-    if any_blocks:
-        rep.blockwise_over_layers = fraction(block_zero, block_total)
+        weights[name] = _layer_tensor(named[name], name, weight_name, tensors)
+        patterns[name] = get_pattern(pat) if pat is not None else None
+    full = report_layers({f"{n}.{weight_name}" if n else weight_name: w for n, w in weights.items()}, tensors, masked)
+    rep = SparsityReport(
+        layers=[_layer_view(n, e, weights[n], patterns[n]) for n, e in zip(weights, full.layers)],
+        elementwise_over_layers=full.sparsity_layers,
+        elementwise_over_all=full.sparsity_all,
+        numel_layers=full.numel_layers,
+        zeros_layers=full.numel_layers - full.nonzero_layers,
+        numel_all=full.numel_all,
+        zeros_all=full.numel_all - full.nonzero_all,
+    )
+    blocked = [e for e in rep.layers if e.blocks is not None]
+    if blocked:
+        rep.blockwise_over_layers = fraction(sum(e.zero_blocks for e in blocked), sum(e.blocks for e in blocked))
     return rep

@@ -34,9 +34,10 @@ from .._backend import TORCH, FrameworkMismatchError, backend_of, is_module, opt
 from ..reparam._internal import Snapshot
 from ._undo import UndoLog
 from .config import PruningConfig, load_config
-from .pruners import Pruner, get_pruner, require_modules
+from .pruners import Pruner, get_pruner
 from .registry import did_you_mean
 from .report import SparsityReport, sparsity_report
+from .selection import require_modules
 
 __all__ = ["EVENTS", "PruningCallbacks", "prepare_pruning"]
 

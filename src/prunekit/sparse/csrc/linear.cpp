@@ -4,10 +4,9 @@
 //     the block patterns prunekit's training pruners produce.
 //
 // Why not torch.sparse.mm (MKL): it offers only W @ x.T, so x is read transposed and the result
-// comes back transposed (the next op copies it), int64 indices are widened per call, and on 2
-// threads right after a dense op it was measured stalling (issue 16: 1.00 ms interleaved against
-// 0.53 ms back to back). One thread, in thread CPU time, it is 1.1-3x slower than this file's
-// kernels on every shape measured (README, `bench_sparse.py --parts kernels`). Here:
+// comes back transposed (the next op copies it), int64 indices are widened per call, and its
+// threads are not ATen's pool, so called right after a dense op it waits for threads of its own
+// (`benchmarks/bench_sparse.py --parts kernels` compares the two on a given machine). Here:
 //   * one input row (batch 1): a gathered dot product per output row (AVX-512 gathers where
 //     available), several accumulators to hide the FMA latency;
 //   * several rows: x is transposed in chunks of CH rows (16x16 register tiles), so every stored
@@ -307,8 +306,7 @@ void chunked(const T* x, int64_t R, int64_t I, int64_t threads, const int32_t* p
 }
 
 // Rows of x handled together. Wider chunks share each index/value load among more rows, but the
-// transposed chunk (in_features x CH) must stay in L1/L2: measured on MiniLM (384/1536 wide) and
-// 4096-wide layers, 32 beat 64 for every row count above 16.
+// transposed chunk (in_features x CH) must stay in L1/L2: at most 32 rows, fewer for small batches.
 int pick_chunk(int64_t R) { return R <= 4 ? 4 : R <= 8 ? 8 : R <= 16 ? 16 : 32; }
 
 template <typename T, typename Idx, int CH>

@@ -1,89 +1,31 @@
-"""Hugging Face model folders of pruned models: plain weights, masks beside them.
+"""The masks file of a Hugging Face model folder: what is written, and the hostile-input reader of it.
 
-A pruned module holds ``weight_orig`` and ``weight_mask`` where a dense one
-holds ``weight`` (torch's layout, kept by ``state_dict()``). A folder written
-with those names is one that plain ``transformers`` cannot read: its
-``from_pretrained`` finds no ``weight`` and initialises it at random. So once
-prunekit has pruned a module, ``PreTrainedModel.save_pretrained`` (and so
-``Trainer.save_model`` and every ``Trainer`` checkpoint) writes:
-
-* ``model.safetensors`` (or its shards) with the *effective* weights under the
-  plain names -- ``weight = weight_orig * weight_mask``, pruned entries zero --
-  which plain ``from_pretrained`` loads as the pruned model, sparsity and all;
-* :data:`MASKS_FILE` (``prunekit_masks.safetensors``) beside it: each mask as
-  a packed bitmask, with its shape, dtype and the number of zeros of the
-  weight it belongs to, so :func:`load_pretrained` / :func:`restore_masks`
-  put the masks back and pruning (or training) continues where it stopped.
-
-How: ``save_pretrained`` takes the state dict to write as its
-``state_dict=`` argument; prunekit wraps ``PreTrainedModel.save_pretrained``
-(once, when a module is first pruned while ``transformers`` is loaded) so that
-for a model with masks it passes the effective state dict there and writes the
-masks file; a model without masks is saved exactly as before (a stale masks
-file from an earlier save is removed). ``module.state_dict()`` itself is not
-changed. :func:`save_pretrained` is the same thing as a plain function.
-
-What is not kept: the values ``weight_orig`` holds *under* the mask (the
-entries the mask zeroes), as :func:`prunekit.remove` drops them; a restored
-model has zeros there (training pruners and one-shot pruning keep zeros
-there anyway). Masks with values other than 0 and 1 (scaling masks) are
-stored whole, with their ``weight_orig``, and restored exactly.
-
-Examples:
-    >>> import tempfile, torch, transformers, prunekit
-    >>> cfg = transformers.BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-    ...                               intermediate_size=16, max_position_embeddings=8)
-    >>> model = transformers.BertModel(cfg)
-    >>> query = model.encoder.layer[0].attention.self.query
-    >>> _ = prunekit.l1_unstructured(query, "weight", 32)
-    >>> folder = tempfile.mkdtemp()
-    >>> model.save_pretrained(folder)
-    >>> plain = transformers.BertModel.from_pretrained(folder)          # plain transformers: pruned weights
-    >>> torch.equal(plain.encoder.layer[0].attention.self.query.weight, query.weight)
-    True
-    >>> again = prunekit.load_pretrained(folder, transformers.BertModel)  # masks back
-    >>> prunekit.is_pruned(again), int((again.encoder.layer[0].attention.self.query.weight_mask == 0).sum())
-    (True, 32)
+:func:`split_state_dict` turns a pruned state dict into its effective weights
+plus masks; :data:`MASKS_FILE` holds each mask as a packed bitmask (or, for a
+mask with values other than 0 and 1, the mask and its ``weight_orig`` whole)
+with its shape, dtype and the number of zeros of its weight.
+:func:`read_masks` reads and checks the file against a model,
+:func:`check_weights` checks the loaded weights against it, and
+:func:`restore_masks` / :func:`apply_saved` put the masks back.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import json
-import logging
 import math
 import os
-import secrets
-import sys
-import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from . import methods, reparam
-from .reparam._internal import Snapshot, drop_cache
-from ._backend import is_module
+from .. import methods, reparam
+from .._backend import is_module
+from ..reparam._internal import Snapshot, drop_cache
 
-__all__ = [
-    "MASKS_FILE",
-    "SavedMask",
-    "accept_dense_weights",
-    "apply_saved",
-    "check_weights",
-    "dense_weights_loaded",
-    "install_save_hooks",
-    "load_pretrained",
-    "read_masks",
-    "restore_masks",
-    "save_pretrained",
-    "split_state_dict",
-    "stop_accepting_dense_weights",
-]
-
-logger = logging.getLogger(__name__)
+__all__ = ["MASKS_FILE", "SavedMask", "apply_saved", "check_weights", "read_masks", "restore_masks",
+           "split_state_dict"]
 
 #: the file, inside a Hugging Face model folder, that holds the masks of the weights beside it
 MASKS_FILE = "prunekit_masks.safetensors"
@@ -204,7 +146,7 @@ class SavedMask:
 
 
 def _bad(path: str, detail: str) -> ValueError:
-    from .io.errors import UnreadableFileError
+    from ..io.errors import UnreadableFileError
 
     return UnreadableFileError(f"{path}: {detail}")
 
@@ -233,7 +175,7 @@ def read_masks(folder: Any, model: nn.Module) -> List[SavedMask]:
         >>> [(m.path, int((m.mask == 0).sum())) for m in read_masks(folder, model)]
         [('pooler.dense.weight', 10)]
     """
-    from .io.reader import open_regular, read_safetensors_header, read_safetensors_tensor
+    from ..io.reader import open_regular, read_safetensors_header, read_safetensors_tensor
 
     path = os.path.join(os.fspath(folder), MASKS_FILE)
     with open_regular(path, what="masks file") as f:
@@ -244,7 +186,7 @@ def read_masks(folder: Any, model: nn.Module) -> List[SavedMask]:
         if meta.get("version") != _VERSION:
             raise _bad(path, f"version {meta.get('version')!r} is not supported (this prunekit reads {_VERSION!r}); "
                              "upgrade prunekit")
-        from .io.reader import loads_json_strict
+        from ..io.reader import loads_json_strict
 
         entries = loads_json_strict(meta.get("masks", ""), f"{path}: metadata 'masks'", max_depth=4)
         if not isinstance(entries, dict):
@@ -317,7 +259,7 @@ def check_weights(saved: List[SavedMask], source: str) -> None:
     """``ValueError`` unless each weight as loaded is zero wherever its saved mask is (the masks belong to it).
 
     The weight as loaded is ``weight`` of a dense model, ``weight_orig`` of a masked one (where a dense
-    ``weight`` loads, see :func:`accept_dense_weights`). Also compares its number of zeros with the one
+    ``weight`` loads, see :func:`prunekit.pretrained.accept_dense_weights`). Also compares its number of zeros with the one
     recorded at save time when it has the saved dtype: masks of an earlier or later checkpoint are refused.
     ``source`` names the masks file in the message.
 
@@ -425,258 +367,3 @@ def apply_saved(saved: List[SavedMask]) -> None:
             for fn in reversed(undo):
                 fn()
         raise
-
-
-# ----------------------------------------------------------------------------- saving
-def _masks_path(folder: str) -> str:
-    return os.path.join(folder, MASKS_FILE)
-
-
-def _has_masks(model: nn.Module) -> bool:
-    return next(iter(reparam.iter_masked(model)), None) is not None
-
-
-def _write_masks_file(folder: str, tensors: Dict[str, Tensor], metadata: Dict[str, str]) -> None:
-    from safetensors.torch import save_file
-
-    from .io.writer import atomic_path
-
-    with atomic_path(_masks_path(folder)) as tmp:
-        save_file(tensors, tmp, metadata=metadata)
-
-
-def _set_aside(folder: str) -> Optional[str]:
-    """Move an existing masks file to a temporary name (put back by :func:`_put_back` on failure)."""
-    target = _masks_path(folder)
-    if not os.path.lexists(target):
-        return None
-    aside = os.path.join(folder, f".{MASKS_FILE}.{secrets.token_hex(4)}.prunekit-tmp")
-    os.replace(target, aside)
-    return aside
-
-
-def _put_back(folder: str, aside: Optional[str], wrote: bool) -> None:
-    target = _masks_path(folder)
-    if wrote and os.path.lexists(target):
-        os.remove(target)
-    if aside is not None:
-        os.replace(aside, target)
-
-
-def _save_with(original: Callable[..., Any], model: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """Run transformers' ``save_pretrained`` with the effective state dict, and write the masks file."""
-    bound = inspect.signature(original).bind(model, *args, **kwargs)
-    folder = os.fspath(bound.arguments["save_directory"])
-    given = bound.arguments.get("state_dict")
-    sd = given if given is not None else (model.state_dict() if _has_masks(model) else None)
-    dense = masks = origs = None
-    if sd is not None:
-        dense, masks, origs = split_state_dict(sd)
-    if not masks:
-        if given is not None:
-            bound.arguments["state_dict"] = dense
-        aside = None
-        is_main = bool(bound.arguments.get("is_main_process", True))
-        if is_main and os.path.isdir(folder) and os.path.lexists(_masks_path(folder)):
-            aside = _set_aside(folder)  # a stale masks file would be applied to these new weights
-        try:
-            result = original(*bound.args, **bound.kwargs)
-        except BaseException:
-            if aside is not None:
-                _put_back(folder, aside, wrote=False)
-            raise
-        if aside is not None:
-            os.remove(aside)
-            logger.info("%s: removed the masks file of an earlier save (the model saved now has no masks)", folder)
-        return result
-    bound.arguments["state_dict"] = dense
-    if getattr(model, "_hf_peft_config_loaded", False):
-        # transformers' own adapter saving: only the adapters' weights go in the folder, effective ones
-        return original(*bound.args, **bound.kwargs)
-    is_main = bound.arguments.get("is_main_process", True)
-    should = getattr(model, "should_save_on_this_rank", None)
-    write = bool(should(is_main)) if callable(should) else bool(is_main)
-    if not write or os.path.isfile(folder):
-        return original(*bound.args, **bound.kwargs)
-    tensors, metadata = _masks_file_contents(dense, masks, origs)
-    os.makedirs(folder, exist_ok=True)
-    aside = _set_aside(folder)
-    wrote = False
-    try:
-        # written before the weights: push_to_hub uploads what the folder holds when the weights are written
-        _write_masks_file(folder, tensors, metadata)
-        wrote = True
-        result = original(*bound.args, **bound.kwargs)
-    except BaseException:
-        _put_back(folder, aside, wrote)
-        raise
-    if aside is not None:
-        os.remove(aside)
-    logger.info("%s: effective weights of %d pruned tensors written, their masks in %s", folder, len(masks),
-                MASKS_FILE)
-    return result
-
-
-def _original_save(cls: type) -> Callable[..., Any]:
-    fn = cls.save_pretrained
-    return getattr(fn, "_prunekit_original", fn)
-
-
-_patched = False
-
-
-def install_save_hooks() -> bool:
-    """Make ``transformers.PreTrainedModel.save_pretrained`` write pruned models as this module says.
-
-    Called by prunekit itself the first time a module is pruned while
-    ``transformers`` is loaded (and by :func:`save_pretrained`); idempotent.
-    Returns whether the hook is in place (``False`` while ``transformers`` is not imported).
-    """
-    global _patched
-    if _patched:
-        return True
-    mu = sys.modules.get("transformers.modeling_utils")
-    cls = getattr(mu, "PreTrainedModel", None) if mu is not None else None
-    if cls is None:
-        return False
-    current = cls.__dict__.get("save_pretrained")
-    if current is None:  # pragma: no cover - every transformers release defines it there
-        return False
-    if getattr(current, "_prunekit_original", None) is None:
-        original = current
-
-        @functools.wraps(original)
-        def save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return _save_with(original, self, args, kwargs)
-
-        save_pretrained._prunekit_original = original  # type: ignore[attr-defined]
-        cls.save_pretrained = save_pretrained
-    _patched = True
-    return True
-
-
-def _on_pruned(module: nn.Module) -> None:
-    if _patched or "transformers.modeling_utils" not in sys.modules:
-        return
-    try:
-        install_save_hooks()
-    except Exception:  # pragma: no cover - never let a save hook break pruning
-        logger.debug("could not wrap PreTrainedModel.save_pretrained", exc_info=True)
-
-
-reparam.observe_pruned(_on_pruned)
-
-
-def save_pretrained(model: Any, save_directory: Any, **kwargs: Any) -> None:
-    """``model.save_pretrained(save_directory, **kwargs)`` with effective weights and :data:`MASKS_FILE`.
-
-    What ``model.save_pretrained`` does once prunekit has pruned a module (see
-    the module docstring); as a function it also works before that.
-    ``model`` is a ``transformers.PreTrainedModel``.
-
-    Examples:
-        >>> import os, tempfile, transformers, prunekit
-        >>> cfg = transformers.BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-        ...                               intermediate_size=16, max_position_embeddings=8)
-        >>> model = transformers.BertModel(cfg)
-        >>> _ = prunekit.l1_unstructured(model.pooler.dense, "weight", 0.5)
-        >>> folder = tempfile.mkdtemp()
-        >>> prunekit.save_pretrained(model, folder)
-        >>> sorted(os.listdir(folder))
-        ['config.json', 'model.safetensors', 'prunekit_masks.safetensors']
-    """
-    if not callable(getattr(type(model), "save_pretrained", None)):
-        raise TypeError(f"save_pretrained() needs a transformers PreTrainedModel, got {type(model).__name__}; "
-                        "for a plain module use prunekit.save_compressed or prunekit.dense_state_dict")
-    install_save_hooks()
-    _save_with(_original_save(type(model)), model, (save_directory,), kwargs)
-
-
-def _model_class(folder: str) -> Any:
-    import transformers
-
-    from .io.reader import read_json
-
-    config_path = os.path.join(folder, "config.json")
-    archs = read_json(config_path).get("architectures") if os.path.isfile(config_path) else None
-    if isinstance(archs, list) and archs and isinstance(archs[0], str):
-        cls = getattr(transformers, archs[0], None)
-        if isinstance(cls, type):
-            return cls
-    return transformers.AutoModel
-
-
-def load_pretrained(folder: Any, model_class: Any = None, **kwargs: Any) -> nn.Module:
-    """``model_class.from_pretrained(folder, **kwargs)`` with the masks of :data:`MASKS_FILE` put back.
-
-    ``model_class`` defaults to the class the folder's ``config.json`` names
-    (``architectures``), else ``transformers.AutoModel``. The result is pruned
-    as the saved model was (``weight_orig``/``weight_mask``), so training or
-    pruning continues; see :func:`restore_masks` for the checks. A folder
-    without a masks file loads as ``from_pretrained`` loads it.
-
-    Examples:
-        >>> import tempfile, torch, transformers, prunekit
-        >>> cfg = transformers.BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-        ...                               intermediate_size=16, max_position_embeddings=8)
-        >>> model = transformers.BertModel(cfg)
-        >>> _ = prunekit.l1_unstructured(model.pooler.dense, "weight", 0.5)
-        >>> folder = tempfile.mkdtemp(); model.save_pretrained(folder)
-        >>> again = prunekit.load_pretrained(folder)
-        >>> type(again).__name__, torch.equal(again.pooler.dense.weight_mask, model.pooler.dense.weight_mask)
-        ('BertModel', True)
-    """
-    folder = os.fspath(folder)
-    cls = _model_class(folder) if model_class is None else model_class
-    model = cls.from_pretrained(folder, **kwargs)
-    restore_masks(model, folder)
-    return model
-
-
-# ----------------------------------------------------------------------------- loading into a pruned model
-class _DenseLoads:
-    """A load_state_dict pre-hook on a model: dense ``x`` in a state dict loads into a masked ``x_orig``."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.handle = model.register_load_state_dict_pre_hook(self)
-        self.translated: List[str] = []
-
-    def __call__(self, module: nn.Module, state_dict: MutableMapping[str, Any], prefix: str, *args: Any) -> None:
-        translated = []
-        for qual, sub, name in list(reparam.iter_masked(module)):
-            key = f"{prefix}{qual}.{name}" if qual else f"{prefix}{name}"
-            if key in state_dict and key + "_orig" not in state_dict:
-                state_dict[key + "_orig"] = state_dict.pop(key)
-                state_dict.setdefault(key + "_mask", sub._buffers[name + "_mask"])
-                translated.append(key)
-        self.translated = translated
-
-
-_DENSE_LOADS: "weakref.WeakKeyDictionary[nn.Module, _DenseLoads]" = weakref.WeakKeyDictionary()
-
-
-def accept_dense_weights(model: nn.Module) -> None:
-    """Let ``model.load_state_dict`` take the dense ``x`` of a masked tensor into ``x_orig`` (mask kept).
-
-    What a ``Trainer`` resuming from a checkpoint folder needs: it loads
-    ``model.safetensors`` (effective weights under plain names) with
-    ``model.load_state_dict(..., strict=False)`` into a model that already
-    carries masks; the masks come from :data:`MASKS_FILE` afterwards.
-    Idempotent; :func:`stop_accepting_dense_weights` removes it.
-    """
-    if model not in _DENSE_LOADS:
-        _DENSE_LOADS[model] = _DenseLoads(model)
-
-
-def dense_weights_loaded(model: nn.Module) -> List[str]:
-    """The masked tensors whose dense ``x`` the latest ``model.load_state_dict`` took (see
-    :func:`accept_dense_weights`): their masks did not come with them."""
-    hook = _DENSE_LOADS.get(model)
-    return list(hook.translated) if hook is not None else []
-
-
-def stop_accepting_dense_weights(model: nn.Module) -> None:
-    """Undo :func:`accept_dense_weights` (no-op when not accepting)."""
-    hook = _DENSE_LOADS.pop(model, None)
-    if hook is not None:
-        hook.handle.remove()
