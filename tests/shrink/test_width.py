@@ -59,18 +59,46 @@ def test_emulation_computes_what_removal_leaves(family):
     assert (dense - emulated).abs().max() > 1e-3  # the emulation did remove something
 
 
-def test_scores_rank_a_silenced_neuron_and_head_last():
+@pytest.mark.parametrize("importance", ["activation", "obs"])
+def test_scores_rank_a_silenced_neuron_and_head_last(importance):
     model = shrink_models.build("llama")
     batches = shrink_models.batches("llama")
     with torch.no_grad():
         model.model.layers[1].mlp.up_proj.weight[5].zero_()  # neuron 5 of block 1 outputs 0
         model.model.layers[2].self_attn.v_proj.weight[8:16].zero_()  # key/value group 1 of block 2 outputs 0
     width = Width(model, batches[0])
-    width.score(batches)
+    width.score(batches, importance)
     ffn, heads = width.axes["ffn"], width.axes["heads"]
-    assert ffn.scores[1][5] == 0 and ffn.removed(47)[1] == [5]
-    assert heads.scores[2][1] == 0 and heads.removed(1)[2] == [1]
-    assert all(bool((s[torch.arange(s.numel()) != 5] > 0).all()) for s in ffn.scores[1:2])
+    assert ffn.removed(47)[1] == [5] and heads.removed(1)[2] == [1]
+    if importance == "activation":
+        assert ffn.scores[1][5] == 0 and heads.scores[2][1] == 0
+        assert bool((ffn.scores[1][torch.arange(48) != 5] > 0).all())
+    else:  # the removal order: a unit that carries nothing goes first
+        assert ffn.scores[1][5] == 1 and heads.scores[2][1] == 1
+        assert sorted(ffn.scores[1].tolist()) == list(range(1, 49))
+
+
+def test_obs_order_beats_activations_on_a_redundant_neuron():
+    """A neuron whose output another neuron copies costs nothing to lose once the copy is refitted:
+    OBS removes it first; its activation norm is the largest of all."""
+    model = shrink_models.build("llama")
+    mlp = model.model.layers[0].mlp
+    with torch.no_grad():
+        for proj in (mlp.gate_proj, mlp.up_proj):
+            proj.weight[3] *= 3.0
+            proj.weight[7] = proj.weight[3]  # neuron 7 computes exactly what neuron 3 does
+    batches = shrink_models.batches("llama")
+    width = Width(model, batches[0])
+    width.score(batches, "activation")
+    assert int(torch.argmax(width.axes["ffn"].scores[0])) in (3, 7)
+    width.score(batches, "obs")
+    assert width.axes["ffn"].removed(47)[0] in ([3], [7])
+
+
+def test_importance_names_the_bad_value():
+    model = shrink_models.build("llama")
+    with pytest.raises(ValueError, match="importance must be 'auto', 'activation' or 'obs', got 'wanda'"):
+        Width(model, shrink_models.batches("llama")[0]).score(shrink_models.batches("llama"), "wanda")
 
 
 def test_padding_does_not_count():

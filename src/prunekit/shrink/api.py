@@ -123,11 +123,11 @@ def _axes(width: Width, sizes: SizeModel, model_type: str, axes: Optional[Sequen
 class _Plan:
     """Everything measured on the dense model that candidates are scored and applied with."""
 
-    def __init__(self, model: nn.Module, batches: List[Any], depth_importance: str) -> None:
+    def __init__(self, model: nn.Module, batches: List[Any], depth_importance: str, importance: str) -> None:
         self.model, self.batches = model, batches
         self.objective = Objective(model, batches)
         self.width = Width(model, batches[0])
-        self.width.score(batches)
+        self.width.score(batches, importance)
         self.sizes = SizeModel(model, self.width)
         if depth_importance == "influence":
             ranks = depth.block_influence(model, batches)
@@ -187,6 +187,7 @@ def shrink(
     sizes: Optional[Dict[str, int]] = None,
     grid: Optional[Dict[str, Sequence[float]]] = None,
     round_to: Optional[int] = None,
+    importance: str = "auto",
     depth_importance: str = "influence",
     max_candidates: int = 64,
     refit: bool = True,
@@ -207,6 +208,9 @@ def shrink(
         grid: fractions of each axis's units the search tries (default
             :data:`~prunekit.shrink.search.FRACTIONS`).
         round_to: hidden and FFN sizes are multiples of it (default 64 from 1024 units, 8 from 128).
+        importance: how heads and FFN neurons are ranked: ``"activation"`` (Minitron), ``"obs"`` (greedy
+            structured OBS, ZipLM: better, slower), ``"auto"`` (OBS where it is cheap; see
+            :meth:`~prunekit.shrink.width.Width.score`).
         depth_importance: ``"influence"`` (1 - cosine between a block's input and output) or
             ``"loss"`` (the objective with that block skipped).
         max_candidates: the most candidates scored (an even spread of the grid's when it has more).
@@ -236,7 +240,7 @@ def shrink(
         raise ValueError(f"prunekit.shrink: scope must be 'model' or 'blocks', got {scope!r}")
     if isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or max_candidates < 1:
         raise ValueError(f"prunekit.shrink: max_candidates must be an int >= 1, got {max_candidates!r}")
-    plan = _Plan(model, batches, depth_importance)
+    plan = _Plan(model, batches, depth_importance, importance)
     sm, blocks_only = plan.sizes, scope == "blocks"
     count = sm.params if measure == "params" else sm.macs
     goal = Target.parse(target, measure, count({}, blocks_only=blocks_only))

@@ -3,6 +3,7 @@
 * :func:`as_batches` -- the calibration as a list, checked to be non-empty;
 * :func:`forward` -- one batch through the model (a dict is keyword inputs), no gradients;
 * :func:`token_mask` -- which tokens of a batch are real (its 2-D ``attention_mask``), or None;
+* :func:`input_moments` -- the second moment of layers' inputs (with a constant 1) as the model runs;
 * :class:`Objective` -- how far a model (pruned, or running with some layers skipped) is from
   what the dense model did on the calibration batches; lower is better. A language model is
   scored by its next-token cross-entropy on the batches' ``input_ids``; any other model by
@@ -12,15 +13,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..compact.trace.inputs import split_inputs
+from ..transaction import run_then_clean
 
-__all__ = ["Objective", "as_batches", "forward", "output_vectors", "token_mask"]
+__all__ = ["Objective", "as_batches", "forward", "input_moments", "output_vectors", "token_mask"]
 
 
 def as_batches(calibration: Iterable[Any], what: str = "prunekit.shrink") -> List[Any]:
@@ -144,3 +146,55 @@ class Objective:
             total += float(losses[keep].double().sum())
             count += int(keep.sum())
         return total / max(count, 1)
+
+
+class _Stop(Exception):
+    """Every layer asked about has seen its input: the rest of the model need not run."""
+
+
+def input_moments(model: nn.Module, batches: List[Any], layers: List[nn.Module]) -> Dict[int, Tuple[Tensor, int]]:
+    """``id(layer) -> (X^T X, rows)`` of each layer's inputs with a constant 1 appended (float64), padding left out.
+
+    The model runs as it is now (hooks included: these see a layer's input before its other
+    forward pre-hooks do); a batch stops once every layer has seen its input.
+
+    Examples:
+        >>> import torch
+        >>> lin = torch.nn.Linear(2, 1)
+        >>> xtx, rows = input_moments(lin, [torch.ones(3, 2)], [lin])[id(lin)]
+        >>> xtx.tolist(), rows
+        ([[3.0, 3.0, 3.0], [3.0, 3.0, 3.0], [3.0, 3.0, 3.0]], 3)
+    """
+    stats: Dict[int, List[Any]] = {id(r): [None, 0] for r in layers}
+    seen: set = set()
+    current: List[Optional[Tensor]] = [None]
+
+    def hook(module: nn.Module, args: Tuple[Any, ...]) -> None:
+        x = args[0].detach()
+        mask = current[0]
+        if mask is not None and x.dim() == 3 and tuple(x.shape[:2]) == tuple(mask.shape):
+            x = x[mask.to(x.device)]
+        x = x.reshape(-1, x.shape[-1]).double()
+        x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], 1)
+        s = stats[id(module)]
+        s[0] = x.T @ x if s[0] is None else s[0].add_(x.T @ x)
+        s[1] += x.shape[0]
+        seen.add(id(module))
+        if len(seen) == len(stats):
+            raise _Stop
+
+    handles: List[Any] = []
+
+    def body() -> None:
+        for r in layers:
+            handles.append(r.register_forward_pre_hook(hook, prepend=True))
+        for batch in batches:
+            seen.clear()
+            current[0] = token_mask(batch)
+            try:
+                forward(model, batch)
+            except _Stop:
+                pass
+
+    run_then_clean(body, lambda: [handles.pop().remove() for _ in list(handles)])
+    return {k: (v[0], v[1]) for k, v in stats.items()}

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from ..kernels.lstsq import output_error, refit_columns
-from ..transaction import Transaction, run_then_clean
-from .calibration import forward, token_mask
+from ..transaction import Transaction
+from .calibration import input_moments
 from .width import HIDDEN, Width, _block_of
 
 logger = logging.getLogger(__name__)
@@ -37,10 +37,6 @@ class ReaderFit:
     total: int
     error_before: float
     error_after: float
-
-
-class _Stop(Exception):
-    """Every reader of the block has seen its input: the rest of the model need not run."""
 
 
 def _plan(width: Width, keep: Dict[str, int], skipped: List[int]) -> Dict[int, List[Tuple[str, nn.Module, Tensor]]]:
@@ -72,43 +68,6 @@ def _plan(width: Width, keep: Dict[str, int], skipped: List[int]) -> Dict[int, L
     return plan
 
 
-def _gather(model: nn.Module, batches: List[Any], readers: List[nn.Module]) -> Dict[int, Tuple[Tensor, int]]:
-    """Second moment of every reader's inputs (with a constant 1 appended), as the model runs now."""
-    stats: Dict[int, List[Any]] = {id(r): [None, 0] for r in readers}
-    seen: set = set()
-    current: List[Optional[Tensor]] = [None]
-
-    def hook(module: nn.Module, args: Tuple[Any, ...]) -> None:
-        x = args[0].detach()
-        mask = current[0]
-        if mask is not None and x.dim() == 3 and tuple(x.shape[:2]) == tuple(mask.shape):
-            x = x[mask.to(x.device)]
-        x = x.reshape(-1, x.shape[-1]).double()
-        x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], 1)
-        s = stats[id(module)]
-        s[0] = x.T @ x if s[0] is None else s[0].add_(x.T @ x)
-        s[1] += x.shape[0]
-        seen.add(id(module))
-        if len(seen) == len(stats):
-            raise _Stop
-
-    handles: List[Any] = []
-
-    def body() -> None:
-        for r in readers:  # before the emulation's hooks: the reader's inputs as they arrive
-            handles.append(r.register_forward_pre_hook(hook, prepend=True))
-        for batch in batches:
-            seen.clear()
-            current[0] = token_mask(batch)
-            try:
-                forward(model, batch)
-            except _Stop:
-                pass
-
-    run_then_clean(body, lambda: [handles.pop().remove() for _ in list(handles)])
-    return {k: (v[0], v[1]) for k, v in stats.items()}
-
-
 def refit_readers(width: Width, keep: Dict[str, int], batches: List[Any], journal: Transaction,
                   skipped: Optional[List[int]] = None, damp: float = 0.01) -> List[ReaderFit]:
     """Refit every reader of removed heads/neurons, block by block; the weights change in place.
@@ -133,7 +92,7 @@ def refit_readers(width: Width, keep: Dict[str, int], batches: List[Any], journa
     """
     fits: List[ReaderFit] = []
     for block, readers in _plan(width, keep, list(skipped or [])).items():
-        stats = _gather(width.model, batches, [r for _, r, _ in readers])
+        stats = input_moments(width.model, batches, [r for _, r, _ in readers])
         for name, reader, kept in readers:
             xtx, count = stats[id(reader)]
             if xtx is None or count == 0:

@@ -43,7 +43,8 @@ from ..compact.selection.prune import GroupDecision
 from ..compact.removal import remove_units
 from ..compact.trace.results import DependencyGraph, Group
 from ..transaction import run_then_clean
-from .calibration import forward, token_mask
+from ..kernels.lstsq import obs_removal_order
+from .calibration import forward, input_moments, token_mask
 from .families import family_of, layer_list
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["Width", "WidthAxis"]
 
 HIDDEN, HEADS, FFN = "hidden", "heads", "ffn"
+#: "auto" importance uses OBS for a reader when units x inputs^2 (its float64 work) is at most this
+OBS_BUDGET = 4e9
 
 
 @dataclass
@@ -164,8 +167,49 @@ class Width:
         return self._norms(g) if name == HIDDEN else self._readers(g)
 
     # ------------------------------------------------------------------ importance
-    def score(self, batches: List[Any]) -> None:
-        """Measure every axis's unit importance on the calibration batches (one pass over them)."""
+    def score(self, batches: List[Any], importance: str = "auto") -> None:
+        """Measure every axis's unit importance on the calibration batches.
+
+        ``importance``: ``"activation"`` -- the L2 norm of each unit's activations (Minitron; one
+        pass); ``"obs"`` -- for heads and neurons, the order in which greedy structured OBS would
+        remove them from their reader when the rest are refitted (ZipLM; one pass per block and
+        ``units x inputs^2`` work per reader); ``"auto"`` -- OBS where that work is at most
+        :data:`OBS_BUDGET`, activations elsewhere. The hidden size is always ranked by activations.
+        """
+        if importance not in ("auto", "activation", "obs"):
+            raise ValueError(f"prunekit.shrink: importance must be 'auto', 'activation' or 'obs', got {importance!r}")
+        self._activation_scores(batches)
+        for axis in self.axes.values():
+            if axis.name != HIDDEN and importance != "activation":
+                self._obs_scores(axis, batches, force=importance == "obs")
+
+    def _obs_scores(self, axis: WidthAxis, batches: List[Any], force: bool) -> None:
+        """Replace ``axis``'s scores by its units' OBS removal order, reader by reader (one block at a time)."""
+        for gi, g in enumerate(axis.groups):
+            readers = self._readers(g)
+            if len(readers) != 1:
+                continue
+            reader, idx, unit_of = readers[0]
+            n_in = reader.weight.shape[1] if isinstance(reader, nn.Linear) else reader.weight.shape[0]
+            if not force and axis.units * n_in * n_in > OBS_BUDGET:
+                continue
+            xtx, rows = input_moments(self.model, batches, [reader])[id(reader)]
+            if xtx is None or rows == 0:
+                continue
+            w = reader.weight.detach() if isinstance(reader, nn.Linear) else reader.weight.detach().T
+            units = torch.full((n_in + 1,), -1, dtype=torch.long)
+            units[idx] = unit_of
+            a = w.double()
+            if reader.bias is not None:  # the bias takes up what the removed inputs' means carried
+                a = torch.cat([a, reader.bias.detach().double()[:, None]], 1)
+            else:
+                units, xtx = units[:n_in], xtx[:n_in, :n_in]
+            order = obs_removal_order(a, xtx / rows, units)
+            scores = torch.zeros(axis.units, dtype=torch.float64)
+            scores[torch.tensor(order)] = torch.arange(1, len(order) + 1, dtype=torch.float64)
+            axis.scores[gi] = scores
+
+    def _activation_scores(self, batches: List[Any]) -> None:
         sums: List[Tuple[WidthAxis, int, Tensor, Tensor, Tensor]] = []
         by_module: Dict[int, List[Tuple[Tensor, Tensor]]] = {}
         hooks: List[Tuple[nn.Module, bool]] = []
