@@ -16,7 +16,7 @@ import copy
 import logging
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -33,7 +33,13 @@ __all__ = ["FAMILIES", "HFFamily", "apply_config", "rescale_embeddings", "scaled
 
 @dataclass(frozen=True)
 class HFFamily:
-    """Which config keys hold a family's block sizes, and where the modules are."""
+    """Where a Hugging Face family keeps its sizes: config keys, and the modules that have them.
+
+    ``layers`` are the dotted paths (tried in order: transformers versions differ), from the base
+    model (``model.base_model``), of the ``nn.ModuleList`` of its blocks (empty: not shrinkable);
+    ``layers_key`` is the config key of their count; ``experts_key`` (the number of routed experts)
+    and ``expert_ffn_key`` (each expert's FFN width) are set for mixtures of experts.
+    """
 
     ffn_key: Optional[str]  # None: no dense FFN (routed experts keep their own keys)
     ffn_modules: Tuple[str, ...]  # regexes of the first FFN layers (their output size is the FFN size)
@@ -43,11 +49,24 @@ class HFFamily:
     attention: str = r"(self_attn|attention|attn|SelfAttention)$"
     hidden_key: str = "hidden_size"  # the residual stream's width (what its normalizations have)
     ffn_from_input: bool = False  # ffn_modules are the FFN's readers: their input size is the FFN size
+    layers: Tuple[str, ...] = ()
+    layers_key: str = "num_hidden_layers"
+    experts_key: Optional[str] = None
+    expert_ffn_key: Optional[str] = None
+
+    @property
+    def moe(self) -> bool:
+        """Whether blocks may hold a sparse mixture of experts."""
+        return self.experts_key is not None
 
 
 _LLAMA = HFFamily("intermediate_size", (r"mlp\.gate_proj$", r"mlp\.up_proj$"), "num_attention_heads",
-                  "num_key_value_heads", "head_dim", r"self_attn$")
-#: model_type -> family; add an entry to support another family
+                  "num_key_value_heads", "head_dim", r"self_attn$", layers=("layers",))
+_ATTENTION_ONLY = HFFamily(None, (), "num_attention_heads", "num_key_value_heads", "head_dim", r"self_attn$",
+                           layers=("layers",))
+_BERT = HFFamily("intermediate_size", (r"intermediate\.dense$",), "num_attention_heads", attention=r"attention\.self$",
+                 layers=("encoder.layer", "layers"))
+#: model_type -> family; add an entry to support another family (compaction's config and shrinking)
 FAMILIES: Dict[str, HFFamily] = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
@@ -55,26 +74,27 @@ FAMILIES: Dict[str, HFFamily] = {
     "qwen3": _LLAMA,
     # routed experts keep their widths here (prunekit.shrink changes them, with the config); dense blocks
     # (mlp_only_layers) are listed too, so that a width they do not share leaves the config alone
-    "qwen2_moe": HFFamily("shared_expert_intermediate_size", (r"mlp\.shared_expert\.gate_proj$",
-                                                               r"mlp\.shared_expert\.up_proj$", r"mlp\.gate_proj$"),
-                          "num_attention_heads", "num_key_value_heads", "head_dim", r"self_attn$"),
-    "phi3": HFFamily("intermediate_size", (r"mlp\.down_proj$",), "num_attention_heads", "num_key_value_heads",
-                     "head_dim", r"self_attn$", ffn_from_input=True),  # gate_up_proj holds two FFN widths
-    "mixtral": HFFamily(None, (), "num_attention_heads", "num_key_value_heads", "head_dim", r"self_attn$"),
-    "qwen3_moe": HFFamily(None, (), "num_attention_heads", "num_key_value_heads", "head_dim", r"self_attn$"),
+    "qwen2_moe": replace(_LLAMA, ffn_key="shared_expert_intermediate_size",
+                         ffn_modules=(r"mlp\.shared_expert\.gate_proj$", r"mlp\.shared_expert\.up_proj$",
+                                      r"mlp\.gate_proj$"),
+                         experts_key="num_experts", expert_ffn_key="moe_intermediate_size"),
+    "phi3": replace(_LLAMA, ffn_modules=(r"mlp\.down_proj$",), ffn_from_input=True),  # gate_up_proj: two widths
+    "mixtral": replace(_ATTENTION_ONLY, experts_key="num_local_experts", expert_ffn_key="intermediate_size"),
+    "qwen3_moe": replace(_ATTENTION_ONLY, experts_key="num_experts", expert_ffn_key="moe_intermediate_size"),
     "gemma": _LLAMA,  # scaled embeddings follow a new hidden size: rescale_embeddings
     "gemma2": _LLAMA,
     "gemma3_text": _LLAMA,
-    "opt": HFFamily("ffn_dim", (r"\.fc1$",), "num_attention_heads", attention=r"self_attn$"),
-    "vit": HFFamily("intermediate_size", (r"mlp\.fc1$", r"intermediate\.dense$"), "num_attention_heads",
-                    head_dim_key="head_dim", attention=r"attention$"),
-    "bert": HFFamily("intermediate_size", (r"intermediate\.dense$",), "num_attention_heads", attention=r"attention\.self$"),
-    "roberta": HFFamily("intermediate_size", (r"intermediate\.dense$",), "num_attention_heads",
-                        attention=r"attention\.self$"),
-    "distilbert": HFFamily("hidden_dim", (r"ffn\.lin1$",), "n_heads", attention=r"\.attention$", hidden_key="dim"),
+    "opt": HFFamily("ffn_dim", (r"\.fc1$",), "num_attention_heads", attention=r"self_attn$", layers=("decoder.layers",)),
+    "vit": replace(_BERT, ffn_modules=(r"mlp\.fc1$", r"intermediate\.dense$"), head_dim_key="head_dim",
+                   attention=r"attention$"),
+    "bert": _BERT,
+    "roberta": _BERT,
+    "distilbert": HFFamily("hidden_dim", (r"ffn\.lin1$",), "n_heads", attention=r"\.attention$", hidden_key="dim",
+                           layers=("transformer.layer",), layers_key="n_layers"),
     "t5": HFFamily("d_ff", (r"DenseReluDense\.wi$", r"DenseReluDense\.wi_0$", r"DenseReluDense\.wi_1$"), "num_heads",
                    head_dim_key="d_kv", attention=r"layer\.0\.SelfAttention$", hidden_key="d_model"),
-    "gpt2": HFFamily("n_inner", (r"mlp\.c_fc$",), "n_head", attention=r"\.attn$", hidden_key="n_embd"),
+    "gpt2": HFFamily("n_inner", (r"mlp\.c_fc$",), "n_head", attention=r"\.attn$", hidden_key="n_embd", layers=("h",),
+                     layers_key="n_layer"),
 }
 
 

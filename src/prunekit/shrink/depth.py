@@ -17,7 +17,7 @@ Rules :func:`remove_layers` keeps (checked before anything changes; a removal th
 express is a ``ValueError`` and the model is left as it was):
 
 * the block ``nn.ModuleList`` keeps the kept blocks in order; the config's layer count
-  (``ShrinkFamily.layers_key``) and an equal count on the list's owner (DistilBERT's ``n_layers``)
+  (``HFFamily.layers_key``) and an equal count on the list's owner (DistilBERT's ``n_layers``)
   become the new count; every ``layer_idx`` attribute in a kept block (the KV-cache slot) is
   renumbered ``0..n-1``;
 * per-layer config lists (``layer_types``, ``mlp_layer_types``, ``no_rope_layers``, a per-layer
