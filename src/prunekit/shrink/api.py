@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from ..compact.hf_config import FAMILIES as CONFIG_FAMILIES
 from ..compact.surgery.journal import Journal
-from ..transaction import atomic
+from ..transaction import Transaction, atomic
 from . import depth, experts
 from .calibration import Objective, as_batches, forward, output_vectors
 from .families import family_of
@@ -153,9 +153,18 @@ class _Plan:
                 stack.enter_context(depth.skipped_layers(self.model, removed))
             yield
 
-    def score(self, candidate: Candidate) -> float:
+    def score(self, candidate: Candidate, refit: bool) -> float:
+        """The objective with the model running at the candidate's sizes (and refitted, then put back)."""
         with self.emulated(candidate.sizes):
-            return self.objective(self.model)
+            if not refit:
+                return self.objective(self.model)
+            txn = Transaction()
+            try:
+                refit_readers(self.width, candidate.sizes, self.batches, txn,
+                              skipped=self.removed_blocks(candidate.sizes))
+                return self.objective(self.model)
+            finally:
+                txn.rollback()
 
     def apply(self, sizes: Dict[str, int], journal: Journal) -> None:
         width_keep = {a: n for a, n in sizes.items() if a in self.width.axes}
@@ -214,8 +223,10 @@ def shrink(
         depth_importance: ``"influence"`` (1 - cosine between a block's input and output) or
             ``"loss"`` (the objective with that block skipped).
         max_candidates: the most candidates scored (an even spread of the grid's when it has more).
-        refit: after choosing, refit the layers that read removed heads and neurons by least squares
-            (:mod:`~prunekit.shrink.refit`), so they compute what they did before, as far as they can.
+        refit: refit the layers that read removed heads and neurons by least squares
+            (:mod:`~prunekit.shrink.refit`), so they compute what they did before as far as they can;
+            candidates are scored refitted too (their weights put back after), so the search compares
+            the models it would return.
 
     The hidden size is approximate by design: a RMSNorm/LayerNorm over fewer channels is not
     the same function. Everything else (heads, FFN neurons, whole blocks, experts) removes exactly
@@ -249,7 +260,7 @@ def shrink(
     found = _candidates(plan, model_type, goal, sizes, axes, grid, round_to, max_candidates, blocks_only)
     for c in found:
         c.sizes = dict(full, **c.sizes)
-        c.score = plan.score(c)
+        c.score = plan.score(c, refit)
         logger.info("shrink: %r", c)
     found.sort(key=lambda c: (c.score, -c.params))
     best = found[0]

@@ -128,7 +128,7 @@ def grid_candidates(
     measure = sizes.params if target.measure == "params" else sizes.macs
     n_blocks = sizes.n_blocks
     out: List[Candidate] = []
-    floor = min(grid.get(solved, FRACTIONS))
+    floor = min(grid.get(solved, FRACTIONS)) / 4  # the solved axis may go below the grid to meet the target
     for combo in itertools.product(*choices):
         fixed = dict(zip(free, combo))
         kept = sorted(block_order[n_blocks - fixed.get(LAYERS, n_blocks):])
