@@ -224,3 +224,22 @@ def test_gpt2_cross_attention_fused_conv1d_heads():
     cross = small.h[0].crossattention
     assert (cross.q_attn.nf, cross.c_attn.nf, cross.c_proj.nx) == (16, 32, 16)  # query, fused key+value, output
     assert _rel(_out(small, x), _out(model, x)) < 1e-5
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_tied_lm_head_stays_tied_to_its_embedding(inplace, tmp_path):
+    import shrink_models
+
+    model = shrink_models.build("gemma")  # ties lm_head to embed_tokens
+    x = shrink_models.batches("gemma")[0]
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    graph = build_dependency_graph(model, x, exact=False)
+    prune_groups(model, x, 0.25, graph=graph)
+    small = compact(model, x, graph=graph, inplace=inplace)
+    assert small.lm_head.weight is small.model.embed_tokens.weight
+    assert small.lm_head.weight.shape == (shrink_models.VOCAB, 24)
+    count = sum(p.numel() for p in small.parameters())  # one tensor, counted once
+    small.save_pretrained(tmp_path / "hf")
+    plain = type(small).from_pretrained(tmp_path / "hf").eval()
+    assert sum(p.numel() for p in plain.parameters()) == count
+    assert torch.equal(shrink_models.output(plain, x), shrink_models.output(small, x))

@@ -123,3 +123,13 @@ def test_bad_keep_counts_name_the_axis():
         width.decisions({"heads": 0})
     with pytest.raises(ValueError, match=r"has no width axis 'experts'; its axes are \['ffn', 'heads', 'hidden'\]"):
         width.decisions({"experts": 1})
+
+
+def test_removal_keeps_a_tied_lm_head_one_tensor():
+    model = shrink_models.build("gemma2")
+    batches = shrink_models.batches("gemma2")
+    width = Width(model, batches[0])
+    width.score(batches)
+    width.apply({"hidden": 24}, Journal())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.shape == (shrink_models.VOCAB, 24)

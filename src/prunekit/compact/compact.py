@@ -32,7 +32,7 @@ from .trace.inputs import flatten_output, split_inputs
 from .surgery.journal import Journal, atomic, run_then_clean
 from .surgery.rebuild import apply_plan, check_state_dict, load_state, plan_rebuild
 from .trace.ops import tensors_in
-from .surgery.shrink import shrink_module
+from .surgery.shrink import retie, shrink_module, tied_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +175,7 @@ def _compact_into(
     _apply_folds(target, folds, journal)
     desc = dict(getattr(target, _DESC_ATTR, None) or {"format": FORMAT, "modules": {}})
     desc["modules"] = dict(desc.get("modules", {}))
+    tied = tied_parameters(target)
     for mname, rem in by_module.items():
         entry = shrink_module(target, mname, g.handlers[mname], rem, journal)
         old = desc["modules"].get(mname)
@@ -183,6 +184,7 @@ def _compact_into(
             merged_tensors = {**old.get("tensors", {}), **entry["tensors"]}
             entry = {**old, **entry, "attrs": merged_attrs, "tensors": merged_tensors}
         desc["modules"][mname] = entry
+    retie(target, tied, journal)
     desc["kept"] = kept
     _update_hf_config(target, desc, journal)
     object.__setattr__(target, _DESC_ATTR, desc)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from ..transaction import atomic
 from .selection.prune import GroupDecision
 from .surgery.journal import Journal
-from .surgery.shrink import shrink_module
+from .surgery.shrink import retie, shrink_module, tied_parameters
 from .trace.results import DependencyGraph
 
 __all__ = ["remove_units"]
@@ -29,7 +29,7 @@ def remove_units(
 
     ``graph`` is :func:`~prunekit.compact.build_dependency_graph` of ``model`` (its module names
     must still be valid). Module attributes (``out_features``, head counts, ...) follow the new
-    shapes. All or nothing: on any failure (``KeyboardInterrupt`` included) the model is as it
+    shapes; tied parameters (an LM head tied to its embedding) stay one tensor. All or nothing: on any failure (``KeyboardInterrupt`` included) the model is as it
     was; with ``journal`` the changes are recorded there (the caller decides when they stand).
 
     Examples:
@@ -62,7 +62,9 @@ def remove_units(
         idx = torch.cat(parts)
         if idx.numel():
             by_module.setdefault(mname, {})[sname] = torch.sort(idx).values
+    tied = tied_parameters(model)
     with atomic(journal if journal is not None else Journal()) as txn:
         for mname, slots in by_module.items():
             shrink_module(model, mname, graph.handlers[mname], slots, txn)  # type: ignore[arg-type]
+        retie(model, tied, txn)  # type: ignore[arg-type]
         return sum(len(d.removed) for d in decisions)

@@ -178,9 +178,11 @@ class _Plan:
 
 
 def _check(model: nn.Module, batch: Any, expected: Tensor) -> None:
+    """The shrunk model computes what its emulation computed (to the rounding of its dtype)."""
     got = output_vectors(forward(model, batch))
     err = float((got.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-30))
-    if got.shape != expected.shape or not err <= 1e-3:
+    tolerance = 1e-3 if expected.dtype in (torch.float32, torch.float64) else 3e-2  # half precision rounds more
+    if got.shape != expected.shape or not err <= tolerance:
         raise ValueError(f"prunekit.shrink: the shrunk model computes {err:.3g} (relative) away from the emulation it "
                          "was chosen by; the model is left unchanged (please report this with the model's config)")
 

@@ -6,7 +6,7 @@ one is given, so a failure can put the model back exactly as it was.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -15,7 +15,7 @@ from ... import methods, reparam
 from ..handlers import ModuleHandler
 from .journal import Journal
 
-__all__ = ["replace_tensor", "set_attr", "shrink_module", "slice_tensor"]
+__all__ = ["replace_tensor", "retie", "set_attr", "shrink_module", "slice_tensor", "tied_parameters"]
 
 
 def set_attr(module: nn.Module, path: str, value: Any) -> None:
@@ -108,3 +108,62 @@ def shrink_module(
         entry["class"] = type(replacement).__name__
         entry["init"] = replacement.init_kwargs()
     return entry
+
+
+def tied_parameters(model: nn.Module) -> List[List[Tuple[str, str]]]:
+    """Every parameter held by more than one ``(module name, attribute)``: tied weights.
+
+    Examples:
+        >>> import torch
+        >>> m = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
+        >>> m["b"].weight = m["a"].weight
+        >>> tied_parameters(m)
+        [[('a', 'weight'), ('b', 'weight')]]
+    """
+    owners: Dict[int, List[Tuple[str, str]]] = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        for leaf, p in m._parameters.items():
+            if p is not None and (mname, leaf) not in owners.setdefault(id(p), []):
+                owners[id(p)].append((mname, leaf))
+    return [places for places in owners.values() if len(places) > 1]
+
+
+def retie(model: nn.Module, tied: List[List[Tuple[str, str]]], journal: Optional[Journal] = None) -> None:
+    """Make parameters that were tied (``tied``, from :func:`tied_parameters` before surgery) one again.
+
+    Each owner sliced its own copy; the copies must be equal (the same units went from each), and
+    every owner then holds the first one, so the model keeps one tensor and training updates it once.
+
+    Examples:
+        >>> import torch
+        >>> m = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
+        >>> m["b"].weight = m["a"].weight; tied = tied_parameters(m)
+        >>> m["b"].weight = torch.nn.Parameter(m["a"].weight.detach().clone())
+        >>> retie(m, tied); m["a"].weight is m["b"].weight
+        True
+    """
+    for places in tied:
+        owners = [_held(model.get_submodule(mname) if mname else model, leaf) for mname, leaf in places]
+        if any(leaf is None for _, leaf in owners):
+            continue  # gone from a module (a handler built a replacement): nothing to tie
+        first = owners[0][0]._parameters[owners[0][1]]
+        for owner, leaf in owners[1:]:
+            other = owner._parameters[leaf]
+            if other is first:
+                continue
+            if other.shape != first.shape or not torch.equal(other.detach(), first.detach()):
+                names = ", ".join(f"{m}.{leaf}" if m else leaf for m, leaf in places)
+                raise ValueError(f"prunekit.compact: the tied parameters {names} lost different entries "
+                                 f"({tuple(first.shape)} vs {tuple(other.shape)}); they can no longer be one tensor")
+            if journal is not None:
+                journal.module(owner)
+            owner._parameters[leaf] = first
+
+
+def _held(owner: nn.Module, leaf: str) -> Tuple[nn.Module, Optional[str]]:
+    """Where a parameter recorded as ``leaf`` is now: ``name_orig`` becomes ``name`` once its mask was baked."""
+    if leaf in owner._parameters:
+        return owner, leaf
+    if leaf.endswith("_orig") and leaf[: -len("_orig")] in owner._parameters:
+        return owner, leaf[: -len("_orig")]
+    return owner, None
