@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from ..compact.hf_config import FAMILIES as CONFIG_FAMILIES
 from ..compact.surgery.journal import Journal
+from ..errors import first_line
 from ..transaction import Transaction, atomic
 from . import depth, experts
 from .calibration import Objective, as_batches, forward, output_vectors
@@ -93,6 +94,9 @@ def _axes(width: Width, sizes: SizeModel, model_type: str, axes: Optional[Sequen
     known = [a for a in (HIDDEN, HEADS, FFN) if a in width.axes] + [LAYERS]
     if EXPERTS in sizes.units:
         known.append(EXPERTS)
+    if axes is not None and (isinstance(axes, str) or not isinstance(axes, (list, tuple, set, frozenset))):
+        raise TypeError(f"prunekit.shrink: axes must be a list of axis names, got {type(axes).__name__} {axes!r}; "
+                        f"write e.g. axes={[axes] if isinstance(axes, str) else known!r}")
     chosen = list(known) if axes is None else list(axes)
     bad = [a for a in chosen if a not in known + [EXPERT_FFN] or a not in sizes.units]
     if bad:
@@ -120,12 +124,24 @@ def _axes(width: Width, sizes: SizeModel, model_type: str, axes: Optional[Sequen
     return chosen, link
 
 
+def _dense_objective(model: nn.Module, batches: List[Any]) -> Tuple[Objective, float]:
+    """The objective and the dense model's score: the first run of every batch, so a batch the model does
+    not take is a ``ValueError`` that says so (quoting the model's own error)."""
+    try:
+        objective = Objective(model, batches)
+        return objective, objective(model)
+    except Exception as e:  # the model raises whatever its forward raises on inputs it does not take
+        raise ValueError(f"prunekit.shrink: the calibration does not run on {type(model).__name__} "
+                         f"({first_line(e, with_type=True)}); give batches of the inputs it takes, e.g. dicts of "
+                         "input_ids and attention_mask from its tokenizer (pixel_values for a vision model)") from e
+
+
 class _Plan:
     """Everything measured on the dense model that candidates are scored and applied with."""
 
     def __init__(self, model: nn.Module, batches: List[Any], depth_importance: str, importance: str) -> None:
         self.model, self.batches = model, batches
-        self.objective = Objective(model, batches)
+        self.objective, self.dense_score = _dense_objective(model, batches)
         self.width = Width(model, batches[0])
         self.width.score(batches, importance)
         self.sizes = SizeModel(model, self.width)
@@ -258,7 +274,7 @@ def shrink(
     count = sm.params if measure == "params" else sm.macs
     goal = Target.parse(target, measure, count({}, blocks_only=blocks_only))
     full = dict(sm.units)
-    dense = Candidate(full, sm.params({}), sm.macs({}), plan.objective(model))
+    dense = Candidate(full, sm.params({}), sm.macs({}), plan.dense_score)
     found = _candidates(plan, model_type, goal, sizes, axes, grid, round_to, max_candidates, blocks_only)
     for c in found:
         c.sizes = dict(full, **c.sizes)
