@@ -98,6 +98,8 @@ def _axes(width: Width, sizes: SizeModel, model_type: str, axes: Optional[Sequen
         raise TypeError(f"prunekit.shrink: axes must be a list of axis names, got {type(axes).__name__} {axes!r}; "
                         f"write e.g. axes={[axes] if isinstance(axes, str) else known!r}")
     chosen = list(known) if axes is None else list(axes)
+    if not chosen:
+        raise ValueError(f"prunekit.shrink: axes is empty; name at least one of {known}, or leave axes out for all")
     bad = [a for a in chosen if a not in known + [EXPERT_FFN] or a not in sizes.units]
     if bad:
         extra = sorted(set(width.axes) - set(known))
@@ -269,6 +271,8 @@ def shrink(
         raise ValueError(f"prunekit.shrink: scope must be 'model' or 'blocks', got {scope!r}")
     if isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or max_candidates < 1:
         raise ValueError(f"prunekit.shrink: max_candidates must be an int >= 1, got {max_candidates!r}")
+    if round_to is not None and (isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1):
+        raise ValueError(f"prunekit.shrink: round_to must be an int >= 1 (or None for the default), got {round_to!r}")
     plan = _Plan(model, batches, depth_importance, importance)
     sm, blocks_only = plan.sizes, scope == "blocks"
     count = sm.params if measure == "params" else sm.macs
