@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from prunekit.shrink import (FAMILIES, dropped_experts, expert_ffn_importance, expert_importance, keep_top,
                              moe_layers, remove_experts, shrink_expert_ffn)
+from prunekit.shrink.experts import narrowed_expert_ffn
 from prunekit.shrink import experts as experts_module
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_thread")]
@@ -220,6 +221,24 @@ def test_emulation_equals_removal_bit_for_bit(family, overrides, implementation,
     assert not all(torch.equal(a, b) for a, b in zip(dense, emulated))
     remove_experts(model, keep)
     assert all(torch.equal(a, b) for a, b in zip(emulated, outputs(model, batches)))
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_narrowed_expert_ffn_computes_what_shrinking_it_leaves(family):
+    model = shrink_models.build(family)
+    batches = padded_batches(family)
+    keep = keep_top(expert_ffn_importance(model, batches), 16)
+    dense = outputs(model, batches)
+    with narrowed_expert_ffn(model, keep):
+        emulated = outputs(model, batches)
+    assert not any(mlp.experts._forward_hooks for mlp in moe_layers(model).values())
+    assert all(torch.equal(a, b) for a, b in zip(dense, outputs(model, batches)))  # hooks gone
+    assert all((a - b).abs().max() > 1e-4 for a, b in zip(dense, emulated))
+    shrink_expert_ffn(model, keep)
+    # the emulation multiplies the dropped neurons by zero columns, the shrunk experts leave them out of the
+    # sum: the same terms, added in another order
+    for a, b in zip(emulated, outputs(model, batches)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
 def test_emulation_may_drop_experts_in_some_layers_only_and_hooks_go_on_error():

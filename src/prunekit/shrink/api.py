@@ -155,6 +155,19 @@ class _Plan:
             raise ValueError(f"prunekit.shrink: depth_importance must be 'influence' or 'loss', got {depth_importance!r}")
         self.block_order = torch.argsort(ranks.double(), stable=True).tolist()  # least important first
         self.expert_scores = experts.expert_importance(model, batches) if EXPERTS in self.sizes.units else {}
+        self._expert_ffn: Optional[Dict[int, Tensor]] = None
+
+    def expert_ffn_keep(self, sizes: Dict[str, int]) -> Optional[Dict[int, Tensor]]:
+        """Per MoE layer, each expert's most important ``sizes["expert_ffn"]`` neurons (None: all stay).
+
+        The importance is measured on first use; the search scores candidates before anything
+        changes, so that is on the dense model."""
+        n = sizes.get(EXPERT_FFN, self.sizes.units.get(EXPERT_FFN))
+        if n is None or n == self.sizes.units[EXPERT_FFN]:
+            return None
+        if self._expert_ffn is None:
+            self._expert_ffn = experts.expert_ffn_importance(self.model, self.batches)
+        return experts.keep_top(self._expert_ffn, n)
 
     def removed_blocks(self, sizes: Dict[str, int]) -> List[int]:
         n = self.sizes.n_blocks
@@ -162,7 +175,10 @@ class _Plan:
 
     @contextlib.contextmanager
     def emulated(self, sizes: Dict[str, int]):
+        ffn_keep = self.expert_ffn_keep(sizes)  # before any emulation starts
         with contextlib.ExitStack() as stack:
+            if ffn_keep is not None:
+                stack.enter_context(experts.narrowed_expert_ffn(self.model, ffn_keep))
             stack.enter_context(self.width.emulated({a: n for a, n in sizes.items() if a in self.width.axes}))
             if EXPERTS in sizes and sizes[EXPERTS] != self.sizes.units[EXPERTS]:
                 stack.enter_context(experts.dropped_experts(self.model, experts.keep_top(self.expert_scores, sizes[EXPERTS])))
@@ -188,6 +204,9 @@ class _Plan:
         width_keep = {a: n for a, n in sizes.items() if a in self.width.axes}
         if any(n != self.width.axes[a].units for a, n in width_keep.items()):
             self.width.apply(width_keep, journal)
+        ffn_keep = self.expert_ffn_keep(sizes)  # indexed by the experts before any is removed
+        if ffn_keep is not None:
+            experts.shrink_expert_ffn(self.model, ffn_keep, journal=journal)
         if EXPERTS in sizes and sizes[EXPERTS] != self.sizes.units[EXPERTS]:
             experts.remove_experts(self.model, experts.keep_top(self.expert_scores, sizes[EXPERTS]), journal=journal)
         removed = self.removed_blocks(sizes)

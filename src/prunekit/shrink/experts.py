@@ -9,6 +9,7 @@
 * :func:`keep_top` -- the indices of the largest scores, for ``keep``;
 * :func:`dropped_experts` -- a context under which the model computes as if only the kept experts
   existed (for a search: nothing is copied);
+* :func:`narrowed_expert_ffn` -- likewise, as if each expert had only its kept FFN neurons;
 * :func:`remove_experts` / :func:`shrink_expert_ffn` -- the real removal, in place and
   failure-atomic; the config follows, so ``save_pretrained`` writes a model plain
   ``from_pretrained`` loads.
@@ -39,7 +40,7 @@ from .families import FAMILIES, family_of, layer_list
 logger = logging.getLogger(__name__)
 
 __all__ = ["ExpertImportance", "dropped_experts", "expert_ffn_importance", "expert_importance", "keep_top",
-           "moe_layers", "remove_experts", "shrink_expert_ffn"]
+           "moe_layers", "narrowed_expert_ffn", "remove_experts", "shrink_expert_ffn"]
 
 Indices = Union[Tensor, Sequence[int]]
 
@@ -398,6 +399,60 @@ def dropped_experts(model: nn.Module, keep: Mapping[int, Indices]) -> Iterator[n
         yield model
     finally:
         finish(lambda: [_unhook(layers[i].gate, h, pre=False) for i, h in hooks.items()])
+
+
+def _narrowed(kept: Tensor) -> Any:
+    """An experts forward hook: the output recomputed with the columns of ``down_proj`` of the dropped neurons zeroed."""
+    inside = [False]
+
+    def hook(experts: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if inside[0]:  # the call below
+            return output
+        down = experts.down_proj
+        mask = torch.zeros(down.shape[0], 1, down.shape[2], dtype=down.dtype, device=down.device)
+        mask.scatter_(2, kept.to(down.device)[:, None, :], 1)
+        inside[0] = True
+        try:
+            return torch.func.functional_call(experts, {"down_proj": down * mask}, args, kwargs)
+        finally:
+            inside[0] = False
+
+    return hook
+
+
+@contextlib.contextmanager
+def narrowed_expert_ffn(model: nn.Module, keep: Mapping[int, Any]) -> Iterator[nn.Module]:
+    """Within the block every expert ``e`` of MoE layer ``i`` computes with only its FFN neurons ``keep[i][e]``.
+
+    ``keep`` is what :func:`shrink_expert_ffn` takes (every MoE layer, the same count everywhere).
+    A forward hook on each layer's experts recomputes their output with the dropped neurons'
+    ``down_proj`` columns zeroed (a masked copy of ``down_proj`` per call; no weight changes), which is
+    what :func:`shrink_expert_ffn` with the same ``keep`` computes, to float rounding. The hooks are
+    removed on exit, however the block ends.
+
+    Examples:
+        >>> import torch, transformers
+        >>> cfg = transformers.Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+        ...     num_attention_heads=2, num_key_value_heads=1, head_dim=8, moe_intermediate_size=8, num_experts=2,
+        ...     num_experts_per_tok=1)
+        >>> torch.manual_seed(0); model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+        <torch._C.Generator object at ...>
+        >>> ids, keep = torch.randint(0, 32, (1, 6)), {0: [[0, 3, 4, 7], [1, 2, 5, 6]]}
+        >>> with narrowed_expert_ffn(model, keep):
+        ...     emulated = model(ids).logits
+        >>> torch.allclose(emulated, shrink_expert_ffn(model, keep)(ids).logits, atol=1e-6)
+        True
+    """
+    what = "prunekit.shrink.narrowed_expert_ffn"
+    layers = moe_layers(model, what)
+    plan = _kept_neurons(layers, keep, what)
+    hooks = {i: _narrowed(kept) for i, kept in plan.items()}
+    try:
+        for i, hook in hooks.items():
+            layers[i].experts.register_forward_hook(hook, with_kwargs=True)
+        yield model
+    finally:
+        finish(lambda: [_unhook(layers[i].experts, h, pre=False) for i, h in hooks.items()])
 
 
 # ------------------------------------------------------------------ removal
