@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_thread"),
               # tracing records Python-level branches as constants; the held-out batch (another size, padding)
               # checks that the exported graph does not depend on them
               pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning"),
-              pytest.mark.filterwarnings("ignore:Exporting aten::index operator:UserWarning")]
+              pytest.mark.filterwarnings("ignore:Exporting aten.*index operator:UserWarning")]
 transformers = pytest.importorskip("transformers")
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
