@@ -46,6 +46,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--distill-steps", type=positive_int, default=200, metavar="N", help="optimizer steps (200)")
     p.add_argument("--distill-lr", type=float, default=1e-4, metavar="LR", help="learning rate (1e-4)")
     p.add_argument("--report", metavar="FILE", help="also write the report as JSON to FILE")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
     p.set_defaults(func=run)
 
 
@@ -56,6 +57,9 @@ def _target(text: str) -> Any:
         raise CliError(f"--target {text!r} is not a number; write a fraction such as 0.5 or a count") from None
     if value.is_integer() and value >= 1:
         return int(value)
+    if not 0.0 < value < 1.0:
+        raise CliError(f"--target {text} is out of range; write the fraction of the model kept, in (0, 1), e.g. 0.5, "
+                       "or a count of at least 1")
     return value
 
 
@@ -65,8 +69,9 @@ def _sizes(text: Optional[str]) -> Optional[Dict[str, int]]:
     out = {}
     for part in text.split(","):
         name, _, value = part.partition("=")
-        if name.strip() not in AXES or not value.strip().isdigit():
-            raise CliError(f"--sizes {part!r}: write axis=count with an axis among {', '.join(AXES)}, e.g. ffn=1024")
+        if name.strip() not in AXES or not value.strip().isdigit() or int(value) < 1:
+            raise CliError(f"--sizes {part!r}: write axis=count with an axis among {', '.join(AXES)} and a count of "
+                           "at least 1, e.g. ffn=1024")
         out[name.strip()] = int(value)
     return out
 
@@ -79,6 +84,15 @@ def _axes(text: Optional[str]) -> Optional[List[str]]:
     if bad:
         raise CliError(f"--axes {bad[0]!r} is not an axis; choose among {', '.join(AXES)}")
     return names
+
+
+def _out_folder(path: str) -> None:
+    """``CliError`` before any work when ``--out`` cannot become a folder (a file there, no parent folder)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CliError(f"--out {path} exists and is not a folder; give a folder name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise CliError(f"--out {path}: the folder {parent} does not exist; create it first")
 
 
 def load_hf(folder: str) -> Tuple[Any, Any]:
@@ -121,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     from ._oneshot import read_calibration
 
     target, sizes, axes = _target(args.target), _sizes(args.sizes), _axes(args.axes)
+    _out_folder(args.out)
     samples = read_calibration(args.calibration)[: args.samples]
     distill_samples = read_calibration(args.distill) if args.distill else None
     model, tok = load_hf(args.model)
