@@ -133,7 +133,7 @@ def check_saved(model, family, report, tmp_path, batches):
 @pytest.mark.parametrize("family", shrink_models.FAMILIES)
 def test_every_family_shrinks_to_the_target_and_reloads_with_plain_transformers(family, tmp_path):
     model = shrink_models.build(family)
-    batches = shrink_models.batches(family)
+    batches = shrink_models.batches(family, n=2)
     dense = n_params(model)
     report = prunekit.shrink(model, batches, 0.6)
     limit = math.floor(0.6 * dense)
@@ -164,7 +164,7 @@ def test_explicit_sizes_skip_the_search_and_are_exactly_what_the_config_says(fam
 @pytest.mark.parametrize("family", shrink_models.FAMILIES)
 def test_the_chosen_candidates_emulated_score_is_the_shrunk_models_objective(family):
     model = shrink_models.build(family)
-    batches = shrink_models.batches(family)
+    batches = shrink_models.batches(family, n=2)
     report = prunekit.shrink(model, batches, 0.6, refit=False)
     assert report.fits == []
     # the same objective on the same batches; the emulation multiplies removed units by zero where the shrunk
