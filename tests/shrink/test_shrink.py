@@ -338,6 +338,8 @@ BAD = [  # (family, calibration change, keyword arguments, error, message)
                                                          r"hidden_size 32"),
     ("llama", None, dict(depth_importance="los"), ValueError, r"depth_importance must be 'influence' or 'loss', got "
                                                               r"'los'"),
+    ("llama", None, dict(importance="obsx"), ValueError, r"importance must be 'auto', 'activation' or 'obs', got "
+                                                         r"'obsx'"),
     ("llama", None, dict(round_to=0), ValueError, r"round_to must be an int >= 1"),
     ("llama", None, dict(max_candidates=0), ValueError, r"max_candidates must be an int >= 1, got 0"),
     ("llama", [], {}, ValueError, r"calibration is empty; give at least one batch"),
@@ -348,7 +350,7 @@ BAD = [  # (family, calibration change, keyword arguments, error, message)
                                          r"range in self\)"),
     ("vit", "wrong keys", {}, ValueError, r"the calibration does not run on ViTModel \(AttributeError: "),
     ("t5", None, {}, ValueError, r"the family 't5' \(T5Model\) has no shrink handler; known families: bert, .*vit "
-                                 r"\(add one to prunekit.shrink.families.FAMILIES\)"),
+                                 r"\(add one to prunekit\.compact\.hf_config\.FAMILIES\)"),
 ]
 
 
