@@ -52,11 +52,18 @@ def test_tied_weights_are_restored_on_failure(monkeypatch):
     weight = model.embed.weight
     import prunekit.compact.removal as removal
 
-    def fail(shared, txn):
-        raise KeyboardInterrupt
+    real, calls = removal.shrink_module, []
 
-    monkeypatch.setattr(removal, "_retie", fail)
+    def fail_after_two(*args, **kwargs):  # the embedding and one more module are sliced, then the call fails
+        out = real(*args, **kwargs)
+        calls.append(args[1])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(removal, "shrink_module", fail_after_two)
     with pytest.raises(KeyboardInterrupt):
         remove_units(model, graph, [GroupDecision(group, [0], group.n_units)])
+    assert len(calls) == 2
     assert model.embed.weight is weight and model.head.weight is weight and weight.shape == (10, 6)
     assert model.mid.in_features == 6 and model.mid.weight.shape == (6, 6)
