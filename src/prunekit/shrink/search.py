@@ -114,7 +114,7 @@ def grid_candidates(
     """
     grid = dict(grid or {})
     steps = dict(steps or {})
-    unknown = [a for a in axes if a not in sizes.units]
+    unknown = [a for a in list(axes) + list(grid) if a not in sizes.units]
     if unknown:
         raise ValueError(f"prunekit.shrink: this model has no axis {unknown[0]!r}; its axes are {sorted(sizes.units)}")
     solved = next((a for a in ("ffn", "hidden") if a in axes), None) or max(axes, key=lambda a: sizes.units[a])
