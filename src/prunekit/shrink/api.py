@@ -75,14 +75,14 @@ MOE_ALIGN = 8
 
 
 def _steps(units: Dict[str, int], round_to: Optional[int]) -> Dict[str, int]:
-    """Multiples the hidden and FFN sizes are rounded to (by default 64 from 1024 units, 8 from 128;
+    """Multiples the hidden and FFN sizes are rounded to (by default 64 from 4096 units, 8 from 128;
     with routed experts, the hidden size and the experts' width are multiples of 8 in any case)."""
     out = {}
     moe = EXPERTS in units
     for axis in (HIDDEN, FFN, EXPERT_FFN):
         n = units.get(axis)
         if n is not None:
-            step = round_to if round_to is not None else 64 if n >= 1024 else 8 if n >= 128 else 1
+            step = round_to if round_to is not None else 64 if n >= 4096 else 8 if n >= 128 else 1
             if moe and axis in (HIDDEN, EXPERT_FFN):
                 step = step * MOE_ALIGN // math.gcd(step, MOE_ALIGN)
             out[axis] = min(step, n)
@@ -255,7 +255,7 @@ def shrink(
         sizes: skip the search and shrink to these sizes (units kept per axis; ``"layers"``: blocks).
         grid: fractions of each axis's units the search tries (default
             :data:`~prunekit.shrink.search.FRACTIONS`).
-        round_to: hidden and FFN sizes are multiples of it (default 64 from 1024 units, 8 from 128).
+        round_to: hidden and FFN sizes are multiples of it (default 64 from 4096 units, 8 from 128).
         importance: how heads and FFN neurons are ranked: ``"activation"`` (Minitron), ``"obs"`` (greedy
             structured OBS, ZipLM: better, slower), ``"auto"`` (OBS where it is cheap; see
             :meth:`~prunekit.shrink.width.Width.score`).
