@@ -142,7 +142,7 @@ class StdConv2d(nn.Conv2d):
 
 
 def test_functional_calls_with_the_modules_own_tensors_are_its_layer():
-    m = nn.Sequential(Conv2dSame(3, 8, 3, stride=2), BatchNormAct2d(8), nn.Conv2d(8, 12, 3), BatchNormAct2d(12),
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), BatchNormAct2d(8), Conv2dSame(8, 12, 3), BatchNormAct2d(12),
                       nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(12, 4)).eval()
     for bn in (m[1], m[3]):
         bn.running_mean.uniform_(-1, 1)
@@ -329,3 +329,12 @@ def test_unsafe_positions_of_split_narrow_and_chunk():
     assert bool(c.unsafe.all())
     (c,) = cuts("unbind", (x, 0), {}, x.unbind(0))
     assert c.dim == 0 and bool(c.unsafe.all())
+
+
+def test_a_group_norm_without_bias_is_sliced_without_one():
+    gn = nn.GroupNorm(4, 8)
+    gn.bias = None  # timm's GroupNorm1NoBias
+    m = nn.Sequential(nn.Conv2d(3, 8, 3), gn, nn.ReLU(), nn.Conv2d(8, 4, 3), nn.Flatten(), nn.Linear(4 * 8 * 8, 3)).eval()
+    x = torch.randn(2, 3, 12, 12)
+    small, err = _prune_compact(m, x, 0.5)
+    assert small[1].num_groups == 2 and small[1].weight.shape == (4,) and small[1].bias is None and err <= 1e-6

@@ -383,6 +383,20 @@ class OpRules:
             for o in out[1:]:
                 self.set_shadow(o, None)
 
+    def _pad(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        """F.pad: trailing dims grow; fine where the labels do not vary along them (spatial padding)."""
+        entry = self.entry_of(args[0])
+        pad = kwargs.get("pad", args[1] if len(args) > 1 else None)
+        if entry is None or not isinstance(out, Tensor) or pad is None:
+            raise RuntimeError("pad operands")
+        core = entry[2]
+        padded = range(core.dim() - len(pad) // 2, core.dim())
+        if any(d in lbl.varying_dims(core) for d in padded):
+            self.block(core, f"op '{name}' in module '{self.where}' pads a channel dimension")
+            self.set_shadow(out, None)
+            return
+        self.set_shadow(out, core.expand(out.shape), core=core, labeled=True)
+
     def _contract(self, name: str, a: Tensor, b: Tensor) -> Tuple[Tensor, Tensor, bool, bool]:
         """Union the contracted dims of a @ b; returns broadcast shadows and whether each varies."""
         sa = self.shadow(a)
@@ -476,6 +490,7 @@ RULES: Dict[str, Rule] = _table(
     (SOFTMAX, OpRules._softmax),
     (REDUCE, OpRules._reduce),
     (POOL, OpRules._pool),
+    (("pad",), OpRules._pad),
     (MATMUL, OpRules._matmul),
     (("scaled_dot_product_attention",), OpRules._sdpa),
 )
