@@ -338,3 +338,21 @@ def test_a_group_norm_without_bias_is_sliced_without_one():
     x = torch.randn(2, 3, 12, 12)
     small, err = _prune_compact(m, x, 0.5)
     assert small[1].num_groups == 2 and small[1].weight.shape == (4,) and small[1].bias is None and err <= 1e-6
+
+
+class MatmulLinear(nn.Linear):
+    """transformers' FalconLinear: a Linear written as a matmul and an add."""
+
+    def forward(self, x):
+        return x @ self.weight.T + self.bias
+
+
+def test_a_forward_of_its_own_that_computes_the_parents_layer_is_that_layer():
+    m = nn.Sequential(MatmulLinear(6, 16), nn.GELU(), MatmulLinear(16, 6), nn.ReLU(), nn.Linear(6, 3))
+    x = torch.randn(4, 6)
+    g = build_dependency_graph(m, x)  # op by op, the matmul with a fixed weight would block every channel
+    assert sorted(sorted(gr.slots) for gr in g.prunable_groups()) == [[("0", "out"), ("2", "in")],
+                                                                        [("2", "out"), ("4", "in")]]
+    small, err = _prune_compact(m, x, 0.5)
+    assert type(small[0]) is MatmulLinear and small[0].weight.shape == (8, 6) and small[2].in_features == 8
+    assert err <= 1e-6

@@ -218,8 +218,12 @@ class HandlerRegistry:
         forward op by op and applies the handler where it calls the layer's functional form
         (``F.layer_norm``, ``F.batch_norm``, ``F.conv2d``...) with the module's own tensors.
         """
-        h, cls = self._by_class(module)
-        return h is None or getattr(type(module), "forward", None) is getattr(cls, "forward", None)
+        cls = self.registered_class(module)
+        return cls is None or getattr(type(module), "forward", None) is getattr(cls, "forward", None)
+
+    def registered_class(self, module: nn.Module) -> Optional[type]:
+        """The class in ``module``'s MRO that its handler was registered for (None: none, or a predicate's)."""
+        return self._by_class(module)[1]
 
 
 REGISTRY = HandlerRegistry()

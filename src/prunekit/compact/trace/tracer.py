@@ -332,8 +332,6 @@ class Tracer(OpRules):
         for mname in reversed(self.running):
             module = self.through[mname]
             if matches(name, module, args, kwargs):
-                if mname not in self.order:
-                    self.order.append(mname)
                 x = call_input(args, kwargs)
                 depth, self.leaf_depth = self.leaf_depth, 1  # the handler's reads are not traced as ops
                 try:
@@ -361,11 +359,20 @@ class Tracer(OpRules):
         return traced_forward
 
     def _through_forward(self, module: nn.Module, name: str) -> Any:
-        """``module.forward`` wrapped to record that ``name`` runs (its functional calls see it)."""
+        """``module.forward`` wrapped for a module whose forward replaces its handler's class's: a call
+        that computes what that class's forward computes is traced as one layer (FalconLinear's
+        ``x @ W.T + b``, timm's last-dimension LayerNorm); any other is followed op by op, with
+        ``name`` recorded as running (its functional calls see it, :meth:`through_call`)."""
         forward = module.forward
-        running = self.running
+        tracer, running = self, self.running
 
         def through_forward(*args: Any, **kwargs: Any) -> Any:
+            if tracer.leaf_depth:
+                return forward(*args, **kwargs)
+            own = tracer._as_parent(module, forward, args, kwargs)
+            if own is not None:
+                tracer._trace_leaf(module, name, args, kwargs, own)
+                return own
             running.append(name)
             try:
                 return forward(*args, **kwargs)
@@ -373,6 +380,20 @@ class Tracer(OpRules):
                 running.pop()
 
         return through_forward
+
+    def _as_parent(self, module: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Optional[Tensor]:
+        """The module's output, when its handler's class's forward gives the same on these inputs; else None."""
+        cls = self.registry.registered_class(module)
+        try:
+            with torch._C.DisableTorchFunction():
+                own = forward(*args, **kwargs)
+                ref = cls.forward(module, *args, **kwargs)
+        except Exception:  # the class's forward does not take these inputs: not that layer
+            return None
+        if not (isinstance(own, Tensor) and isinstance(ref, Tensor)) or own.shape != ref.shape or own.dtype != ref.dtype:
+            return None
+        scale = float(ref.abs().max()) if ref.numel() else 0.0
+        return own if torch.allclose(own, ref, rtol=1e-5, atol=1e-6 * max(scale, 1e-12)) else None
 
     # ---- run
     def run(self, example_inputs: Any, ignored: Sequence[str]) -> Any:
