@@ -26,6 +26,7 @@ from prunekit.compact import (
 )
 from prunekit.compact.handlers import LinearHandler
 from prunekit.compact.trace.cuts import cuts
+from prunekit.compact.trace.graph import traced_dependency_graph
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -356,3 +357,29 @@ def test_a_forward_of_its_own_that_computes_the_parents_layer_is_that_layer():
     small, err = _prune_compact(m, x, 0.5)
     assert type(small[0]) is MatmulLinear and small[0].weight.shape == (8, 6) and small[2].in_features == 8
     assert err <= 1e-6
+
+
+class InplaceScale(nn.Linear):
+    """A forward that scales its input in place, per channel, before the layer runs."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__(n_in, n_out)
+        self.scale = nn.Parameter(torch.rand(n_in) + 0.5)
+
+    def forward(self, x):
+        return F.linear(x.mul_(self.scale), self.weight, self.bias)
+
+
+def test_trying_a_forward_of_its_own_leaves_the_input_as_the_model_would():
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), InplaceScale(8, 6), nn.ReLU(), nn.Linear(6, 2))
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        want = m(x)
+    g, traced = traced_dependency_graph(m, x)
+    assert torch.equal(traced, want)
+    # tried on its own copy of the input, the forward is not Linear's: followed op by op, the scale it
+    # owns (no slot of the Linear handler) blocks the channels it multiplies
+    assert _group_of(g, ("0", "out")).blocked == "op 'mul_' in module '2' combines channels with a fixed tensor that varies along them"
+    assert sorted(sorted(gr.slots) for gr in g.prunable_groups()) == [[("2", "out"), ("4", "in")]]
+    small, err = _prune_compact(m, x, 0.5)
+    assert small[2].in_features == 8 and small[2].out_features == 3 and err <= 1e-6

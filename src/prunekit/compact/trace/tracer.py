@@ -384,10 +384,14 @@ class Tracer(OpRules):
     def _as_parent(self, module: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Optional[Tensor]:
         """The module's output, when its handler's class's forward gives the same on these inputs; else None."""
         cls = self.registry.registered_class(module)
+
+        def fresh(a: Any) -> Any:  # a forward that writes into its input must not change the traced run's
+            return a.clone() if isinstance(a, Tensor) else a
+
         try:
             with torch._C.DisableTorchFunction():
-                own = forward(*args, **kwargs)
-                ref = cls.forward(module, *args, **kwargs)
+                own = forward(*map(fresh, args), **{k: fresh(v) for k, v in kwargs.items()})
+                ref = cls.forward(module, *map(fresh, args), **{k: fresh(v) for k, v in kwargs.items()})
         except Exception:  # the class's forward does not take these inputs: not that layer
             return None
         if not (isinstance(own, Tensor) and isinstance(ref, Tensor)) or own.shape != ref.shape or own.dtype != ref.dtype:
