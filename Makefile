@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 KERNEL_SRC   := src/prunekit/sparse/csrc/linear.cpp
 KERNEL_STAMP := src/prunekit/sparse/csrc/build/.built
 
-.PHONY: test test-fast lint demo bench clean kernels docs docs-check
+.PHONY: test test-fast test-zoo lint demo bench clean kernels docs docs-check
 
 $(STAMP): pyproject.toml setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,19 @@ test: lint docs-check $(KERNEL_STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "not slow and not distributed"
 
+# The model-zoo matrices (pytest -m zoo: every torchvision classifier, a list of timm families, the
+# transformers families). torchvision and timm go into $(ZOO), beside the environment and not in it: the
+# registry's torchvision wheel is a CUDA build whose compiled ops do not load beside the CPU torch, and
+# transformers imports torchvision whenever it is installed (tests/vision_models.py defines the two op
+# schemas it needs before importing it; nothing outside the tests would). --no-deps keeps torch as it is.
+ZOO := .zoo
+$(ZOO)/.installed: $(STAMP)
+	$(PIP) install -q --no-deps --upgrade --target $(ZOO) "torchvision==0.28.*" "timm==1.0.31"
+	touch $@
+
+test-zoo: $(ZOO)/.installed
+	PYTHONPATH=$(ZOO) $(PY) -m pytest tests -m zoo
+
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
 	$(PY) examples/tensorplay_quickstart.py
@@ -62,4 +75,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_core.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis src/prunekit/sparse/csrc/build
+	rm -rf $(VENV) $(ZOO) .pytest_cache .hypothesis src/prunekit/sparse/csrc/build

@@ -188,3 +188,17 @@ def test_unread_nonconstant_channels_are_kept_with_a_reason():
     small = compact(m, x)
     assert small.layers[0].out_features == 24
     _same(small, m, x)
+
+
+def test_kept_lists_only_masked_units_when_batchnorm_biases_are_zero():
+    # BatchNorm's bias starts at 0: a channel prune_groups left alone is zero there, but never masked
+    m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 6, 3), nn.BatchNorm2d(6),
+                      nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 4)).eval()
+    x = torch.randn(2, 3, 12, 12)
+    assert all(not bn.bias.detach().any() for bn in (m[1], m[4]))
+    prune_groups(m, x, 0.5)
+    small = compact(m, x)
+    assert (small[0].out_channels, small[3].out_channels) == (4, 3)
+    _same(small, m, x)
+    assert compaction_description(small)["kept"] == []
+    # (a masked unit that stays is still listed: test_ln_structured_on_conv_then_bn_read_by_a_padded_conv_says_why)

@@ -12,13 +12,26 @@ from torch import Tensor, nn
 
 from .. import reparam
 
-__all__ = ["effective", "is_masked", "maybe", "read_only"]
+__all__ = ["effective", "is_masked", "mask_of", "maybe", "read_only"]
 
 
 def is_masked(module: nn.Module, path: str) -> bool:
     """Whether the tensor at dotted ``path`` carries a pruning mask (prunekit's or torch's)."""
     owner, leaf = reparam.owner_of(module, path)
     return reparam.is_masked(owner, leaf)
+
+
+def mask_of(module: nn.Module, path: str) -> Optional[Tensor]:
+    """The mask of the tensor at dotted ``path`` (prunekit's or torch's), or None when it carries none.
+
+    Examples:
+        >>> import torch, prunekit
+        >>> m = prunekit.custom_from_mask(torch.nn.Linear(2, 1), "weight", torch.tensor([[1, 0]]))
+        >>> mask_of(m, "weight").tolist(), mask_of(m, "bias")
+        ([[1.0, 0.0]], None)
+    """
+    owner, leaf = reparam.owner_of(module, path)
+    return reparam.get_mask(owner, leaf)
 
 
 def effective(module: nn.Module, path: str) -> Tensor:

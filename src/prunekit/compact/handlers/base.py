@@ -187,11 +187,20 @@ class HandlerRegistry:
             raise TypeError(f"register a module type, a tuple of types or a predicate, got {key!r}")
         return handler
 
-    def lookup(self, module: nn.Module) -> Optional[ModuleHandler]:
+    def _by_class(self, module: nn.Module) -> Tuple[Optional[ModuleHandler], Optional[type]]:
+        """The handler registered for the nearest class in ``module``'s MRO, and that class."""
         for cls in type(module).__mro__:
             h = self._by_type.get(cls)
             if h is not None:
-                return h
+                return h, cls
+        return None, None
+
+    def lookup(self, module: nn.Module) -> Optional[ModuleHandler]:
+        """The handler that describes ``module``'s tensors (its slots, how to slice them): the one
+        registered for its class or the nearest ancestor class, else the first predicate that matches."""
+        h, _ = self._by_class(module)
+        if h is not None:
+            return h
         for pred, h in self._predicates:
             try:
                 if pred(module):
@@ -199,6 +208,22 @@ class HandlerRegistry:
             except Exception:  # a predicate must never break tracing
                 continue
         return None
+
+    def traces_forward(self, module: nn.Module) -> bool:
+        """Whether :meth:`lookup`'s handler also describes ``module``'s forward pass.
+
+        False when the handler was registered for an ancestor class whose ``forward`` the module's class
+        replaces, e.g. a ``LayerNorm`` subclass that normalizes channels-first (ConvNeXt's
+        ``LayerNorm2d``) or a ``BatchNorm2d`` followed by an activation: the tracer then follows that
+        forward op by op and applies the handler where it calls the layer's functional form
+        (``F.layer_norm``, ``F.batch_norm``, ``F.conv2d``...) with the module's own tensors.
+        """
+        cls = self.registered_class(module)
+        return cls is None or getattr(type(module), "forward", None) is getattr(cls, "forward", None)
+
+    def registered_class(self, module: nn.Module) -> Optional[type]:
+        """The class in ``module``'s MRO that its handler was registered for (None: none, or a predicate's)."""
+        return self._by_class(module)[1]
 
 
 REGISTRY = HandlerRegistry()
@@ -216,6 +241,10 @@ def register_handler(
     TypeError here, not a failure in the middle of a trace). ``trace`` receives a
     :class:`TracerAPI`. Types are looked up along the module's MRO; a ``predicate``
     matches modules by their attributes (e.g. any class with ``query``/``key``/``value``).
+    A subclass whose ``forward`` replaces the registered class's is not traced as one
+    layer: its forward is followed op by op, and the handler applies where it calls the
+    layer's functional form with the module's own tensors (see
+    :meth:`HandlerRegistry.traces_forward`).
 
     Examples:
         >>> import torch

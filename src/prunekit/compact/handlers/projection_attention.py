@@ -17,7 +17,10 @@ query heads are removed evenly, the key/value projections are kept).
 
 Every tensor indexed by heads is coupled to the heads: T5's relative position bias
 (the embedding's columns, and the bias tensor the first layer hands to every later
-layer, which ties head ``h`` of all layers together), GPT-OSS's attention sinks.
+layer, which ties head ``h`` of all layers together), GPT-OSS's attention sinks,
+Cohere's per-head q/k LayerNorms (a row per head). A norm of one head's size shared by
+all heads (Qwen3, Gemma 3) stays as it is; a parameter over several heads' channels at
+once (OLMo-2's q/k RMSNorms over every head) blocks the heads, with a reason.
 
 Phi-3's attention splits ``qkv_proj`` where the model's ``config.num_attention_heads``
 says, so its compacted heads run once that config is updated: every layer keeps the same
@@ -216,6 +219,39 @@ def _per_head(m: nn.Module, lay: Layout) -> List[Entry]:
     return out
 
 
+def _extras(m: nn.Module, lay: Layout) -> Tuple[List[Entry], List[Entry], List[str]]:
+    """The module's other parameters (q/k norms...): entries per query head, entries per key/value head,
+    and the ones that span several heads' channels at once (removing heads would change them).
+
+    A vector of one head's size is shared by every head (Qwen3's and Gemma 3's per-head norms) and
+    stays; a ``(heads, head size)`` one has a row per head (Cohere's per-head LayerNorm) and follows
+    its head; a vector over every head's channels (OLMo-2's q/k norms) blocks the heads.
+    """
+    known = [p.path for p in (lay.q, lay.k, lay.v, lay.o) if p is not None]
+    known += [lay.relative_bias] if lay.relative_bias else []
+    per_q: List[Entry] = []
+    per_kv: List[Entry] = []
+    spans: List[str] = []
+    for pname, _ in m.named_parameters():
+        path = pname
+        owner, leaf = reparam.owner_of(m, pname)
+        if leaf.endswith("_orig") and reparam.is_masked(owner, leaf[:-5]):  # a pruned tensor: its own name
+            path, leaf = pname[:-5], leaf[:-5]
+        if any(path == k or path.startswith(k + ".") for k in known) or path == "sinks":
+            continue
+        shape = tuple(reparam.stored(owner, leaf).shape)
+        if shape == (lay.qk_dim,):
+            continue
+        if shape[:1] == (lay.heads,) and shape[1:] in ((), (lay.qk_dim,)) and not (
+                lay.kv_heads != lay.heads and path.startswith("k")):
+            per_q.append(Entry(path, 0))
+        elif shape[:1] == (lay.kv_heads,) and shape[1:] in ((), (lay.qk_dim,)):
+            per_kv.append(Entry(path, 0))
+        else:
+            spans.append(f"'{path}' {list(shape)}")
+    return per_q, per_kv, spans
+
+
 def _rows(p: Proj, m: nn.Module, offset: int = 0) -> List[Entry]:
     e = [Entry(f"{p.path}.weight", p.out_axis, p.offset + offset)]
     if has_tensor(m, f"{p.path}.bias"):
@@ -238,14 +274,17 @@ class ProjectionAttentionHandler(ModuleHandler):
 
     def slots(self, m: nn.Module) -> Dict[str, Slot]:
         lay = _layout(m)
+        per_q, per_kv, _ = _extras(m, lay)
         q_in = _cols(lay.q) if lay.cross or lay.kv_arg else _cols(lay.q, lay.k, lay.v)
         slots = {
             "in": Slot(_in_size(m, lay.q), q_in, role="in"),
             "q": Slot(lay.heads * lay.qk_dim, _rows(lay.q, m), role="heads"),
             "k": Slot(lay.kv_heads * lay.qk_dim, _rows(lay.k, m), role="heads"),
             "v": Slot(lay.kv_heads * lay.v_dim, _rows(lay.v, m), role="heads"),
-            "heads": Slot(lay.heads, _per_head(m, lay), role="heads"),
+            "heads": Slot(lay.heads, _per_head(m, lay) + per_q, role="heads"),
         }
+        if per_kv:
+            slots["kv_heads"] = Slot(lay.kv_heads, per_kv, role="heads")
         if lay.cross or lay.kv_arg:
             slots["kv_in"] = Slot(_in_size(m, lay.k), _cols(lay.k, lay.v), role="in")
         if lay.o is not None:
@@ -257,7 +296,8 @@ class ProjectionAttentionHandler(ModuleHandler):
 
     def trace(self, m: nn.Module, name: str, tracer: TracerAPI, args: tuple, kwargs: dict, output: Any) -> None:
         lay = _layout(m)
-        ids = {s: tracer.slot(name, s) for s in _slot_names(lay)}
+        _, per_kv, spans = _extras(m, lay)
+        ids = {s: tracer.slot(name, s) for s in _slot_names(lay) + (["kv_heads"] if per_kv else [])}
         everything = list(ids.values())
         x = arg(args, kwargs, *lay.hidden_arg)
         kv = None
@@ -276,6 +316,12 @@ class ProjectionAttentionHandler(ModuleHandler):
                 return
             tracer.bind(x if kv is None else kv, -1, ids["kv_in"])
         self._tie(m, name, tracer, lay, ids)
+        if spans:
+            reason = (f"attention '{name}': {spans[0]} spans the channels of several heads at once (e.g. a q/k norm "
+                      "over every head), so removing heads would change it")
+            for s in ids:
+                if s not in ("in", "kv_in", "out"):
+                    tracer.block(ids[s], reason)
         if lay.position_bias is not None:
             pos, key, out_index = lay.position_bias
             given = arg(args, kwargs, pos, key)
@@ -323,6 +369,7 @@ class ProjectionAttentionHandler(ModuleHandler):
         if mode == "groups":
             rows = [t.reshape(g, -1) for t in per_head]  # query heads of a group are consecutive
             rows += [ids["k"].view(g, -1), ids["v"].view(g, -1)]
+            rows += [ids["kv_heads"].view(g, 1)] if "kv_heads" in ids else []
             tracer.tie(torch.cat(rows, dim=1))
         else:
             rows = [t.reshape(g, r, -1).transpose(0, 1).reshape(r, -1) for t in per_head]
@@ -331,6 +378,8 @@ class ProjectionAttentionHandler(ModuleHandler):
                       "(gqa='query_heads')")
             tracer.block(ids["k"], reason)
             tracer.block(ids["v"], reason)
+            if "kv_heads" in ids:
+                tracer.block(ids["kv_heads"], reason)
 
     def attrs(self, m: nn.Module, sizes: Dict[str, int]) -> Dict[str, Any]:
         lay = _layout(m)

@@ -170,7 +170,9 @@ class GroupNormHandler(ModuleHandler):
     """GroupNorm is pruned by whole groups, which leaves the other groups' statistics exact."""
 
     def slots(self, m: nn.Module) -> Dict[str, Slot]:
-        e = [Entry("weight", 0, role="norm"), Entry("bias", 0, role="norm")] if m.affine else []
+        e = [Entry("weight", 0, role="norm")] if m.affine else []
+        if m.affine and has_tensor(m, "bias"):  # timm's GroupNorm1NoBias drops it
+            e.append(Entry("bias", 0, role="norm"))
         return {"channels": Slot(m.num_channels, e, role="norm", tie=m.num_channels // m.num_groups)}
 
     def trace(self, m, name, tracer, args, kwargs, output):

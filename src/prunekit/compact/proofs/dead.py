@@ -37,7 +37,7 @@ class NonZero:
 
     def __init__(self, graph: DependencyGraph) -> None:
         self.graph = graph
-        self.cache: Dict[Tuple[str, str, int], Tensor] = {}
+        self.cache: Dict[Tuple[str, ...], Tensor] = {}
         self._folds: Dict[Tuple[str, str], Union[str, list]] = {}
         self._axes_of: Optional[Dict[Tuple[str, str], set]] = None
 
@@ -61,6 +61,18 @@ class NonZero:
             for a in {axis} | {a % max(nonzero.dim(), 1) for a in self._axes().get((mname, path), ())}:
                 self.cache[(mname, path, a)] = _any_along(nonzero, a)
             self.cache[key] = self.cache[(mname, path, axis)]
+        return self.cache[key]
+
+    def masked(self, mname: str, path: str, axis: int) -> Tensor:
+        """Per index along ``axis``: whether the tensor's mask is zero at every entry there (all False
+        for a tensor without a mask). A zero that no mask put there (a bias initialised to 0) is not masked."""
+        key = ("mask", mname, path, axis)
+        if key not in self.cache:
+            mask = weights.mask_of(self.graph.module(mname), path)
+            if mask is None:
+                self.cache[key] = torch.zeros_like(self(mname, path, axis))
+            else:
+                self.cache[key] = ~_any_along(mask != 0, axis % max(mask.dim(), 1))
         return self.cache[key]
 
     def fold(self, mname: str, sname: str) -> Union[str, list]:
@@ -93,7 +105,7 @@ class Verdict:
     """What the propagation decided for one group's units."""
 
     removable: Tensor  # bool per unit
-    partial: Tensor  # bool per unit: zero (or constant) somewhere in a tensor it spans
+    partial: Tensor  # bool per unit: masked in some tensor it spans, or read as a constant its masks make
     folds: List[Fold] = field(default_factory=list)  # for the removable units
     reasons: Dict[int, str] = field(default_factory=dict)  # kept units that are partly masked: why
 
@@ -143,9 +155,8 @@ def dead_units(graph: DependencyGraph, group: Group, nz: Optional[NonZero] = Non
         for e in spec.entries:
             if e.role in ("in", "buffer"):
                 continue
-            zero = _per_unit_all(~nz(mname, e.path, e.axis)[idx + e.offset], unit_of, n)
-            others_zero &= zero
-            partial |= zero
+            others_zero &= _per_unit_all(~nz(mname, e.path, e.axis)[idx + e.offset], unit_of, n)
+            partial |= _per_unit_all(nz.masked(mname, e.path, e.axis)[idx + e.offset], unit_of, n)
             has_others = True
         if not reads:
             continue
@@ -164,7 +175,10 @@ def dead_units(graph: DependencyGraph, group: Group, nz: Optional[NonZero] = Non
             rule = nz.fold(mname, sname) if bool(need.any()) else []
             ok = colzero | (known & (vals == 0)) | (need & isinstance(rule, list))
             partial |= _per_unit_any(known, unit_of, n)
-        partial |= _per_unit_any(colzero, unit_of, n)
+        colmasked = torch.zeros(idx.numel(), dtype=torch.bool)
+        for e in reads:
+            colmasked |= nz.masked(mname, e.path, e.axis)[idx + e.offset]
+        partial |= _per_unit_any(colmasked, unit_of, n)
         readers_ok &= _per_unit_all(ok, unit_of, n)
         readers.append((mname, sname, idx, unit_of, colzero, vals, rule, ok))
     removable = readers_ok if has_readers else (others_zero & has_others)

@@ -17,6 +17,8 @@ from torch import Tensor
 from . import shadows as lbl
 from ..proofs.constants import ConstMap, apply_pointwise, by_label, keep_zeros, lookup, merge
 from ..errors import TraceError
+from .cuts import CUT_OPS, cuts
+from .functional import FUNCTIONAL
 from .ops import base_name
 from .ops import CAT, HARMLESS_MUTATORS, MATMUL, MULTI, POINTWISE, POOL, REDUCE, SAME, SAME_LABELS, SHAPE, SOFTMAX, op_name, tensors_in
 
@@ -37,6 +39,9 @@ class OpRules:
     """The op rules, mixed into :class:`~prunekit.compact.trace.tracer.Tracer` (they use its shadows and union-find)."""
 
     # provided by Tracer
+    running: List[str]
+    parts: List[Tuple[Tensor, str]]
+    through_call: Callable[[str, tuple, dict, Any], bool]
     shadows: Dict[int, Tuple[Any, Tensor, Tensor]]
     uf: "UnionFind"
     last_op: str
@@ -60,6 +65,8 @@ class OpRules:
                 if self.consts and self.consts_of(x) is not None:
                     self._consts_pointwise(name, func, args, kwargs, out)
                 return
+        if self.running and name in FUNCTIONAL and self.through_call(name, args, kwargs, out):
+            return  # a layer's functional form inside its module's own forward: its handler traced it
         ins = [t for t in tensors_in((args, kwargs)) if self.shadow(t) is not None]
         if not ins:
             return
@@ -233,8 +240,36 @@ class OpRules:
         if isinstance(out, Tensor) and entry is not None and out.shape == args[0].shape:
             self.set_shadow(out, entry[1], core=entry[2], labeled=True)
 
+    def _cut(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        """Block the channels a cut at positions fixed in the model's code would move; record cuts into
+        equal parts for the check once channels are grouped (see :mod:`prunekit.compact.trace.cuts`)."""
+        entry = self.entry_of(args[0]) if isinstance(args[0], Tensor) else None
+        if entry is None:
+            return
+        core = entry[2]
+        varying = lbl.varying_dims(core)
+        if not varying:
+            return
+        found = [c for c in cuts(name, args, kwargs, out) if c.dim in varying]
+        for c in found:
+            n = args[0].shape[c.dim]
+            where = self.where
+            if c.unsafe is not None:
+                if bool(c.unsafe.any()):
+                    self.block(core.index_select(c.dim, c.unsafe.nonzero().view(-1)),
+                               f"op '{name}' in module '{where}' takes {c.what} of {n} channels, at positions fixed in "
+                               "the model's code that compaction cannot move")
+            elif len(varying) == 1:
+                self.parts.append((core.reshape(c.parts, -1), f"op '{name}' in module '{where}' cuts {n} channels "
+                                   f"into {c.parts} equal parts: a unit that would not lose as many channels in every "
+                                   "part stays"))
+            else:
+                self.block(core, f"op '{name}' in module '{where}' cuts channels that vary along several dimensions "
+                                 "into parts")
+
     def _multi(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         """split, chunk, unbind: each piece of the output is the same piece of the input's shadow."""
+        self._cut(name, args, kwargs, out)
         res = func(self.shadow(args[0]), *args[1:], **kwargs)
         for o, s in zip(out, res):
             self.set_shadow(o, s)
@@ -246,6 +281,8 @@ class OpRules:
         if s_in is None:
             self.set_shadow(out, None)
             return
+        if name in CUT_OPS:
+            self._cut(name, args, kwargs, out)
         try:
             res = func(s_in, *args[1:], **kwargs)
         except RuntimeError:  # e.g. view() of an expanded shadow
@@ -346,6 +383,20 @@ class OpRules:
             for o in out[1:]:
                 self.set_shadow(o, None)
 
+    def _pad(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        """F.pad: trailing dims grow; fine where the labels do not vary along them (spatial padding)."""
+        entry = self.entry_of(args[0])
+        pad = kwargs.get("pad", args[1] if len(args) > 1 else None)
+        if entry is None or not isinstance(out, Tensor) or pad is None:
+            raise RuntimeError("pad operands")
+        core = entry[2]
+        padded = range(core.dim() - len(pad) // 2, core.dim())
+        if any(d in lbl.varying_dims(core) for d in padded):
+            self.block(core, f"op '{name}' in module '{self.where}' pads a channel dimension")
+            self.set_shadow(out, None)
+            return
+        self.set_shadow(out, core.expand(out.shape), core=core, labeled=True)
+
     def _contract(self, name: str, a: Tensor, b: Tensor) -> Tuple[Tensor, Tensor, bool, bool]:
         """Union the contracted dims of a @ b; returns broadcast shadows and whether each varies."""
         sa = self.shadow(a)
@@ -439,6 +490,7 @@ RULES: Dict[str, Rule] = _table(
     (SOFTMAX, OpRules._softmax),
     (REDUCE, OpRules._reduce),
     (POOL, OpRules._pool),
+    (("pad",), OpRules._pad),
     (MATMUL, OpRules._matmul),
     (("scaled_dot_product_attention",), OpRules._sdpa),
 )

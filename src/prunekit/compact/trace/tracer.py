@@ -4,6 +4,9 @@ Handled modules (see :mod:`prunekit.compact.handlers`) are leaves: after each on
 its handler binds its inputs to its slots and labels its outputs. Every torch function
 *between* leaves goes through a ``TorchFunctionMode`` to the rules of
 :mod:`prunekit.compact.trace.rules`, which move the labels the way the op moves elements.
+A module whose handler comes from an ancestor class whose ``forward`` it replaces is
+followed op by op instead (see :mod:`prunekit.compact.trace.functional`). A handler that
+fails on a call blocks the module's channels and those of its inputs; the trace goes on.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ..proofs.constants import ConstMap, from_slot, lookup
 from ..errors import TraceError
 from ...transaction import run_then_clean
 from .inputs import flatten_output, split_inputs
+from .functional import call_input, matches
 from .ops import op_name, tensors_in
 from .results import SlotInfo
 from .rules import OpRules
@@ -53,6 +57,11 @@ class Tracer(OpRules):
         self.shadows: Dict[int, Tuple[Tensor, Tensor]] = {}
         self.slots: Dict[Tuple[str, str], SlotInfo] = {}
         self.handlers: Dict[str, Any] = {}
+        # handled modules whose forward replaces the handler's (followed op by op), and those running now
+        self.through: Dict[str, nn.Module] = {}
+        self.running: List[str] = []
+        # cuts into equal parts: (ids, one row per part; the reason) -- checked once the channels are grouped
+        self.parts: List[Tuple[Tensor, str]] = []
         self.named: List[Tuple[str, nn.Module]] = list(model.named_modules())
         self.names: Dict[int, str] = {id(m): n for n, m in self.named}
         self.by_name: Dict[str, nn.Module] = dict(self.named)
@@ -297,8 +306,40 @@ class Tracer(OpRules):
         try:
             with torch._C.DisableTorchFunction():  # the handler's own tensor work is not traced
                 self.handlers[name].trace(module, name, self, args, kwargs, output)
+        except Exception as exc:  # the handler does not understand this call: its channels stay
+            self._handler_failed(module, name, args, kwargs, output, exc)
         finally:
             self.stack.pop()
+
+    def _handler_failed(self, module: nn.Module, name: str, args: Any, kwargs: Any, output: Any, exc: Exception) -> None:
+        """Block the slots of ``module`` and the channels of its inputs; its outputs carry no labels."""
+        reason = (f"the compaction handler {type(self.handlers[name]).__name__} does not understand this call of "
+                  f"module '{name or '<model>'}' ({type(module).__name__}): {type(exc).__name__}: {exc}")
+        logger.info("%s", reason)
+        specs = self._specs.get(name)
+        for sname in specs or ():
+            self.block(self.slot(name, sname), reason)
+        for t in tensors_in((args, kwargs)):
+            s = self.shadow(t)
+            if s is not None:
+                self.block(s, reason)
+        for t in tensors_in(output):
+            self.set_shadow(t, None)
+
+    def through_call(self, name: str, args: tuple, kwargs: dict, out: Any) -> bool:
+        """A functional op inside the forward of a module followed op by op: when it is that module's
+        layer (its own tensors and settings), trace it with the module's handler and return True."""
+        for mname in reversed(self.running):
+            module = self.through[mname]
+            if matches(name, module, args, kwargs):
+                x = call_input(args, kwargs)
+                depth, self.leaf_depth = self.leaf_depth, 1  # the handler's reads are not traced as ops
+                try:
+                    self._trace_leaf(module, mname, (x,), {}, out)
+                finally:
+                    self.leaf_depth = depth
+                return True
+        return False
 
     def _traced_forward(self, module: nn.Module, name: str) -> Any:
         """``module.forward`` wrapped to count the leaf depth and trace the leaf after it ran: what the
@@ -316,6 +357,47 @@ class Tracer(OpRules):
             return output
 
         return traced_forward
+
+    def _through_forward(self, module: nn.Module, name: str) -> Any:
+        """``module.forward`` wrapped for a module whose forward replaces its handler's class's: a call
+        that computes what that class's forward computes is traced as one layer (FalconLinear's
+        ``x @ W.T + b``, timm's last-dimension LayerNorm); any other is followed op by op, with
+        ``name`` recorded as running (its functional calls see it, :meth:`through_call`)."""
+        forward = module.forward
+        tracer, running = self, self.running
+
+        def through_forward(*args: Any, **kwargs: Any) -> Any:
+            if tracer.leaf_depth:
+                return forward(*args, **kwargs)
+            own = tracer._as_parent(module, forward, args, kwargs)
+            if own is not None:
+                tracer._trace_leaf(module, name, args, kwargs, own)
+                return own
+            running.append(name)
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                running.pop()
+
+        return through_forward
+
+    def _as_parent(self, module: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Optional[Tensor]:
+        """The module's output, when its handler's class's forward gives the same on these inputs; else None."""
+        cls = self.registry.registered_class(module)
+
+        def fresh(a: Any) -> Any:  # a forward that writes into its input must not change the traced run's
+            return a.clone() if isinstance(a, Tensor) else a
+
+        try:
+            with torch._C.DisableTorchFunction():
+                own = forward(*map(fresh, args), **{k: fresh(v) for k, v in kwargs.items()})
+                ref = cls.forward(module, *map(fresh, args), **{k: fresh(v) for k, v in kwargs.items()})
+        except Exception:  # the class's forward does not take these inputs: not that layer
+            return None
+        if not (isinstance(own, Tensor) and isinstance(ref, Tensor)) or own.shape != ref.shape or own.dtype != ref.dtype:
+            return None
+        scale = float(ref.abs().max()) if ref.numel() else 0.0
+        return own if torch.allclose(own, ref, rtol=1e-5, atol=1e-6 * max(scale, 1e-12)) else None
 
     # ---- run
     def run(self, example_inputs: Any, ignored: Sequence[str]) -> Any:
@@ -339,6 +421,7 @@ class Tracer(OpRules):
             s = self.shadow(t)
             if s is not None:
                 self.block(s, OUTPUT_REASON)
+        self._balance_parts()
         for name in ignored:
             for (mname, sname), info in list(self.slots.items()):
                 if mname == name or mname.startswith(name + "."):
@@ -349,14 +432,37 @@ class Tracer(OpRules):
         self.shadows.clear()
         return output
 
+    def _balance_parts(self) -> None:
+        """Block every unit that has not as many channels in each part of a cut into equal parts (the
+        parts' bounds follow the size, so they stay right only when each part loses as many)."""
+        if not self.parts:
+            return
+        roots = self.uf.solve()
+        for ids, reason in self.parts:
+            k = ids.shape[0]
+            valid = ids >= 0
+            r = roots.index_select(0, ids.clamp_min(0).reshape(-1)).view(k, -1)
+            part = torch.arange(k).view(-1, 1).expand_as(r)
+            counts = torch.zeros(self.uf.n * k, dtype=torch.long)
+            counts.index_add_(0, (r * k + part)[valid], torch.ones(int(valid.sum()), dtype=torch.long))
+            counts = counts.view(-1, k)
+            uneven = (counts.max(dim=1).values != counts.min(dim=1).values).nonzero().view(-1)
+            if uneven.numel():
+                self.block(uneven, reason)
+        self.parts.clear()
+
     def _choose_handlers(self) -> None:
         """The handled modules (the outermost module with a handler) and their slot descriptions."""
         for name, module in self.named:
             h = self.registry.lookup(module)
-            # a module inside a handled module is part of it (named_modules lists parents first)
+            # a module inside a leaf is part of it (named_modules lists parents first)
             parts = name.split(".")
-            if h is not None and not any(".".join(parts[:i]) in self.handlers for i in range(1, len(parts))):
+            if h is not None and not any(
+                p in self.handlers and p not in self.through for p in (".".join(parts[:i]) for i in range(1, len(parts)))
+            ):
                 self.handlers[name] = h
+                if not self.registry.traces_forward(module):
+                    self.through[name] = module
         # Every leaf's slots described now, in one warm loop: inside the forward pass each
         # description would run right after a layer's compute has pushed it out of the caches.
         for name, h in self.handlers.items():
@@ -395,7 +501,11 @@ class Tracer(OpRules):
         plain = not getattr(global_module_hooks, "_global_forward_hooks", True)  # no hook replaces any output
         for name in self.handlers:
             module = self.by_name[name]
-            if plain and not module._forward_hooks:
+            if name in self.through:
+                wrapper = self._through_forward(module, name)
+                self._wrapped.append((module, module.__dict__.get("forward", _NO_FORWARD), wrapper))
+                module.__dict__["forward"] = wrapper
+            elif plain and not module._forward_hooks:
                 wrapper = self._traced_forward(module, name)
                 self._wrapped.append((module, module.__dict__.get("forward", _NO_FORWARD), wrapper))
                 module.__dict__["forward"] = wrapper
@@ -422,6 +532,7 @@ class Tracer(OpRules):
             if m.training != t:
                 m.training = t
         self.stack.clear()
+        self.running.clear()
         self.leaf_depth = 0
 
 
