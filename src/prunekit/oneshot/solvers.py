@@ -155,9 +155,12 @@ def hessian_inverse_cholesky(xtx: Tensor, damp: float = 0.01) -> Tensor:
         >>> torch.allclose(u, torch.tensor([[0.5, 0.0], [0.0, 1.0]]))
         True
     """
+    # each intermediate freed as soon as the next exists: two in_features^2 matrices at a time, not four
     h = dampened_hessian(xtx, damp)
     lower = torch.linalg.cholesky(h)
+    del h
     hinv = torch.cholesky_inverse(lower)
+    del lower
     return torch.linalg.cholesky(hinv, upper=True)
 
 
