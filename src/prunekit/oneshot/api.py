@@ -207,8 +207,10 @@ def oneshot(
     txn = Transaction(after_restore)
     cycle = InMemoryCycle(txn, spool, masks == "bake")
     try:
+        # bake straight into the parameters; block tuning trains through the masks, baked as the block leaves
+        direct = masks == "bake" and not opts.get("tune_epochs")
         run_walk(model, block_list, layers, batches, Walk(method, sparsity, nm, opts, device, report, par, cycle,
-                                                          len(batches), progress))
+                                                          len(batches), progress, direct))
         report.seconds = time.perf_counter() - t_start
         logger.info("%s", report)
         return report  # inside the try: an interrupt anywhere before the return rolls everything back
@@ -236,7 +238,8 @@ class InMemoryCycle(BlockCycle):
     def leave(self, index: int, name: str, block: nn.Module, mine: List[Target]) -> None:
         if self.bake:
             for t in mine:
-                reparam.remove(t.module, "weight")
+                if reparam.is_pruned(t.module):
+                    reparam.remove(t.module, "weight")
 
 
 def run_walk(model: nn.Module, block_list: List[Tuple[str, nn.Module]], layers: List[Target], batches: List[Any],

@@ -193,7 +193,9 @@ def sparsegpt_prune(
     _check(weight, sparsity, nm)
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    w = weight.detach().float().clone()
+    w = weight.detach().float()
+    if w.data_ptr() == weight.data_ptr():  # already float32: work on a copy (a lower precision converted above)
+        w = w.clone()
     rows, cols = w.shape
     dead = xtx.diagonal().to(w.device) == 0
     w[:, dead] = 0

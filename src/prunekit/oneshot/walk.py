@@ -62,6 +62,7 @@ class Walk:
     cycle: BlockCycle
     batches: int  # calibration batches in all (over every rank)
     progress: Optional[Callable[[int, int, str], None]] = None
+    bake: bool = False  # write pruned weights straight into the plain parameters (no mask at any time)
 
 
 def walk_blocks(model: nn.Module, block_list: Blocks, layers: List[Target], batches: List[Any], w: Walk) -> None:
@@ -76,7 +77,7 @@ def walk_blocks(model: nn.Module, block_list: Blocks, layers: List[Target], batc
             for t in mine:
                 t0 = time.perf_counter()
                 keep = magnitude_prune(t.matrix().detach(), w.sparsity, w.nm)
-                write(t, keep, None)
+                write(t, keep, None, w.bake)
                 w.report.layers.append(LayerResult(t.name, t.block, tuple(t.matrix().shape), int((~keep).sum()),
                                                    keep.numel(), None, time.perf_counter() - t0))
             w.cycle.leave(bi, bname, block, mine)
@@ -113,9 +114,16 @@ def walk_blocks(model: nn.Module, block_list: Blocks, layers: List[Target], batc
             w.progress(bi + 1, len(block_list), bname)
 
 
-def write(t: Target, keep: Tensor, new: Optional[Tensor]) -> None:
-    """Mask (and, when given, new weights into ``weight_orig``) through the reparameterization."""
+def write(t: Target, keep: Tensor, new: Optional[Tensor], bake: bool = False) -> None:
+    """Mask (and, when given, new weights into ``weight_orig``) through the reparameterization; with ``bake``,
+    the new weights (or the layer's own) with ``+0.0`` off the mask straight into the plain parameter."""
     p = t.param
+    if bake:
+        with torch.no_grad():
+            if new is not None:
+                p.copy_(t.stored(new))
+            p.masked_fill_(~t.stored(keep).to(p.device), 0)
+        return
     mask = t.stored(keep).to(device=p.device, dtype=p.dtype)
     custom_from_mask(t.module, "weight", mask)
     if new is not None:
@@ -222,14 +230,22 @@ def _cost(t: Target) -> float:
 Solved = Tuple[Optional[Tensor], Tensor, Optional[float], float]  # new weights, keep-mask, error, seconds
 
 
-def _solve_all(jobs: List[Target], solve: Callable[[Target], Solved], writes_weights: bool, w: Walk) -> None:
-    """Solve every job once (on the rank the plan gives it), write each result on every rank, report it."""
+def _solve_all(jobs: List[Target], solve: Callable[[Target], Solved], writes_weights: bool, w: Walk,
+               release: Optional[Callable[[Target], Any]] = None) -> None:
+    """Solve every job once (on the rank the plan gives it), write each result on every rank, report it.
+
+    ``release(t)`` drops the solver's references to ``t``'s statistics once ``t`` is solved (a group's
+    statistics are freed with its last layer)."""
     owners = w.par.plan([_cost(t) for t in jobs])
     done: Dict[int, Solved] = {}
     for i, t in enumerate(jobs):
         if owners[i] != w.par.rank:
+            if release is not None:
+                release(t)
             continue
         done[i] = solve(t)
+        if release is not None:
+            release(t)
         if w.par.world == 1:  # written at once: one layer's result in memory at a time
             _record(t, done.pop(i), w)
     for i, t in enumerate(jobs):
@@ -255,7 +271,7 @@ def _share_result(t: Target, res: Optional[Solved], src: int, writes_weights: bo
 
 def _record(t: Target, res: Solved, w: Walk) -> None:
     new, keep, error, seconds = res
-    write(t, keep, new)
+    write(t, keep, new, w.bake)
     w.report.layers.append(LayerResult(t.name, t.block, (t.out_features, t.in_features), int((~keep).sum()),
                                        keep.numel(), error, seconds))
 
@@ -278,19 +294,20 @@ def _prune_block_faithful(block: nn.Module, mine: List[Target], inputs: List[Blo
     for gi, st in enumerate(stats):
         _share_stats(st, w.par.owner(gi), w.par)
     of = {t.name: stats[gi] for gi, g in enumerate(groups) for t in g}
+    del stats  # each group's statistics live as long as one of its layers is unsolved
     opts = w.opts
 
     def solve(t: Target) -> Solved:
         t0 = time.perf_counter()
         st = of[t.name]
-        dense = t.matrix().detach().float()
+        dense = t.matrix().detach()  # in its own dtype: the solvers compute in float32
         if w.method == "wanda":
             keep = wanda_prune(dense, st.norm, w.sparsity, w.nm)
             return None, keep, None, time.perf_counter() - t0
         new, keep = sparsegpt_prune(dense, st.xtx, w.sparsity, w.nm, block_size=opts["block_size"], damp=opts["damp"])
         return new, keep, reconstruction_error(new, dense, st.xtx), time.perf_counter() - t0
 
-    _solve_all(mine, solve, hessian, w)
+    _solve_all(mine, solve, hessian, w, release=lambda t: of.pop(t.name))
 
 
 def solve_prunekit(w_dense: Tensor, xtx: Tensor, cross: Optional[Tensor], sparsity: float, nm: NM,
