@@ -1,6 +1,7 @@
 """One-shot pruning of pretrained models from calibration data, block by block.
 
-* :func:`oneshot` -- the verb (``prunekit.oneshot``);
+* :func:`oneshot` -- the verb (``prunekit.oneshot``); :func:`oneshot_folder` -- the same from a
+  Hugging Face folder to a new one, one block in memory (:mod:`.folder`);
 * :mod:`.solvers` -- magnitude, Wanda, SparseGPT and the masked least-squares refit on one matrix;
 * :mod:`.blocks` -- finding repeated blocks, capturing a block's inputs, running a block,
   offloading (reusable by anything that walks a model block by block);
@@ -22,6 +23,7 @@ Examples:
 
 from .._callable import make_callable
 from .api import MASKS, METHODS, PRUNEKIT_DEFAULTS, oneshot, parse_pattern
+from .folder import oneshot_folder
 from .blocks import BlockInput, capture_block_inputs, find_blocks, on_device, run_block
 from .layers import Target, find_targets
 from .report import LayerResult, OneshotReport
@@ -41,6 +43,7 @@ __all__ = [
     "magnitude_prune",
     "on_device",
     "oneshot",
+    "oneshot_folder",
     "parse_pattern",
     "refit_masked",
     "run_block",

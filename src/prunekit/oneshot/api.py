@@ -33,6 +33,7 @@ import math
 import numbers
 import re
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from torch import Tensor, nn
@@ -184,16 +185,53 @@ def oneshot(
         >>> prunekit.is_pruned(lean), lean[1][0].weight.dtype, int((lean[1][0].weight == 0).sum())
         (False, torch.bfloat16, 128)
     """
+    if masks not in MASKS:
+        raise ValueError(f"masks={masks!r}: write 'keep' (weight_orig/weight_mask) or 'bake' (plain weights with zeros)")
+    t_start = time.perf_counter()
+    plan = plan_walk(model, calibration, sparsity=sparsity, pattern=pattern, method=method, targets=targets,
+                     ignore=ignore, tokenizer=tokenizer, blocks=blocks, device=device, batch_size=batch_size,
+                     max_length=max_length, options=options, progress=progress, group=group)
+    walk = plan.walk
+    spool = OriginalsSpool(scratch_dir) if (masks == "bake" or method not in ("magnitude", "wanda")) else None
+    txn = Transaction(after_restore)
+    walk.cycle = InMemoryCycle(txn, spool, masks == "bake")
+    # bake straight into the parameters; block tuning trains through the masks, baked as the block leaves
+    walk.bake = masks == "bake" and not walk.opts.get("tune_epochs")
+    try:
+        run_walk(model, plan.blocks, plan.layers, plan.batches, walk)
+        walk.report.seconds = time.perf_counter() - t_start
+        logger.info("%s", walk.report)
+        return walk.report  # inside the try: an interrupt anywhere before the return rolls everything back
+    except BaseException:
+        txn.rollback()
+        raise
+    finally:
+        if spool is not None:
+            spool.close()
+
+
+@dataclass
+class Plan:
+    """A checked call: the walk's settings, the blocks, the layers to prune and the calibration batches."""
+
+    walk: Walk
+    blocks: List[Tuple[str, nn.Module]]
+    layers: List[Target]
+    batches: List[Any]
+
+
+def plan_walk(model: nn.Module, calibration: Iterable[Any], *, sparsity: float, pattern: str, method: str,
+              targets: Patterns, ignore: Patterns, tokenizer: Any, blocks: Any, device: Any, batch_size: int,
+              max_length: int, options: Optional[Dict[str, Any]], progress: Any, group: Any) -> Plan:
+    """Check the arguments of :func:`oneshot` (every refusal before anything changes) and plan its walk
+    (with a :class:`BlockCycle` that does nothing: the caller sets its own)."""
     nm = parse_pattern(pattern)
     sparsity = _check_sparsity(sparsity, nm)
     opts = _method_options(method, options, batch_size=batch_size, max_length=max_length)
-    if masks not in MASKS:
-        raise ValueError(f"masks={masks!r}: write 'keep' (weight_orig/weight_mask) or 'bake' (plain weights with zeros)")
     par = parallel_for(group)
     if par.world > 1 and opts.get("tune_epochs"):
         raise ValueError("options tune_epochs > 0 cannot run with group=...: the ranks' gradients would be summed in "
                          "another order than one process sums them; tune in one process, or set tune_epochs=0")
-    t_start = time.perf_counter()
     block_list, layers = _layers_to_prune(model, blocks, targets, ignore, nm, pattern)
     batches = [] if method == "magnitude" else _prepare_calibration(calibration, tokenizer, batch_size, max_length)
     if method != "magnitude" and not batches:
@@ -201,25 +239,10 @@ def oneshot(
     if method != "magnitude" and len(batches) < par.world:
         raise ValueError(f"{len(batches)} calibration batches for {par.world} ranks: every rank needs at least one "
                          "(use a smaller batch_size or more samples)")
-    spool = OriginalsSpool(scratch_dir) if (masks == "bake" or method not in ("magnitude", "wanda")) else None
     report = OneshotReport(method, pattern if nm is None else f"{nm[0]}:{nm[1]}", sparsity,
                            blocks=len(block_list), options=dict(opts))
-    txn = Transaction(after_restore)
-    cycle = InMemoryCycle(txn, spool, masks == "bake")
-    try:
-        # bake straight into the parameters; block tuning trains through the masks, baked as the block leaves
-        direct = masks == "bake" and not opts.get("tune_epochs")
-        run_walk(model, block_list, layers, batches, Walk(method, sparsity, nm, opts, device, report, par, cycle,
-                                                          len(batches), progress, direct))
-        report.seconds = time.perf_counter() - t_start
-        logger.info("%s", report)
-        return report  # inside the try: an interrupt anywhere before the return rolls everything back
-    except BaseException:
-        txn.rollback()
-        raise
-    finally:
-        if spool is not None:
-            spool.close()
+    walk = Walk(method, sparsity, nm, opts, device, report, par, BlockCycle(), len(batches), progress)
+    return Plan(walk, block_list, layers, batches)
 
 
 class InMemoryCycle(BlockCycle):
