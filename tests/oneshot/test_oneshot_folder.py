@@ -196,7 +196,7 @@ def test_a_model_larger_than_the_memory_the_process_may_use_is_pruned_disk_to_di
     warm = _save_llama(str(tmp_path / "warm-up"), layers=1, hidden=64, inter=128, vocab=256)
     out = str(tmp_path / "pruned")
     code = _LIMITED.format(tests=HERE, warm=warm, headroom=headroom, model_bytes=model_bytes, src=src, out=out)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=SRC, HF_HUB_OFFLINE="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=SRC, HF_HUB_OFFLINE="1", PYTHONHASHSEED="0")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     model = transformers.LlamaForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
