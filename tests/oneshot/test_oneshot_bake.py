@@ -121,3 +121,19 @@ def test_bad_masks_and_scratch_dir_are_refused(tmp_path):
     with pytest.raises(ValueError, match="scratch_dir=.*is not a folder"):
         prunekit.oneshot(model, _batches(), method="sparsegpt", masks="bake", scratch_dir=tmp_path / "nope")
     assert not prunekit.is_pruned(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bake_and_disk_to_disk_with_the_blocks_on_cuda(tmp_path):
+    from prunekit.oneshot import oneshot_folder
+
+    model = _llama(torch.bfloat16)
+    model.save_pretrained(tmp_path / "src")
+    r = prunekit.oneshot(model, _batches(), method="sparsegpt", masks="bake", device="cuda")
+    assert r.sparsity == 0.5 and not prunekit.is_pruned(model)
+    assert all(p.device.type == "cpu" for p in model.parameters())  # each block went there and back
+    rd = oneshot_folder(tmp_path / "src", tmp_path / "out", _batches(), method="sparsegpt", device="cuda")
+    assert [x.pruned for x in rd.layers] == [x.pruned for x in r.layers]
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
