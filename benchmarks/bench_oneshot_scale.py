@@ -192,7 +192,7 @@ def child_verify(job: dict) -> dict:
     return {"digest": _digest_state(model.state_dict())}
 
 
-def child_dist(job: dict) -> dict:
+def child_dist(job: dict) -> "dict | None":
     """One rank of a torchrun launch (or the one process): disk to disk on the first blocks, timed."""
     import torch.distributed as dist
 
@@ -215,7 +215,7 @@ def child_dist(job: dict) -> dict:
         rank = dist.get_rank()
         dist.destroy_process_group()
         if rank != 0:
-            return out
+            return None  # rank 0 reports
     from prunekit.io.plain import tensor_bytes
 
     with ShardedWeights(job["out"]) as w:
@@ -240,7 +240,9 @@ def run(python: str, job: dict, nproc: int = 1, timeout: float = 7200) -> dict:
     p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode != 0 or not lines:
-        return {"error": f"exit {p.returncode}: {(p.stderr or p.stdout)[-1500:]}"}
+        text = (p.stderr or p.stdout).splitlines()
+        why = [ln for ln in text if "Error" in ln or "error" in ln] or text[-1:] or ["no output"]
+        return {"error": f"exit {p.returncode}: {why[-1].strip()[:300]}"}
     return json.loads(lines[-1])
 
 
@@ -258,7 +260,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         job = json.loads(args.child)
-        print(json.dumps(CHILDREN[job["kind"]](job)))
+        result = CHILDREN[job["kind"]](job)
+        if result is not None:
+            print(json.dumps(result))
         return
     skip = set(filter(None, args.skip.split(",")))
     os.makedirs(args.workdir, exist_ok=True)
@@ -294,7 +298,7 @@ def main() -> None:
         results[label] = r
         print(f"  {label}: {json.dumps({k: v for k, v in r.items() if k != 'digest'})[:400]}", flush=True)
         if "error" in r:
-            rows.append([label, "failed", "", "", "", r["error"].splitlines()[-1][:60]])
+            rows.append([label, "failed", "", "", "", r["error"][:100]])
             continue
         rows.append([label, f"{r['peak_bytes'] / MIB:,.0f}", f"{r['peak_bytes'] / weights:.2f}x",
                      f"{r['load_s']:.1f}", f"{r['prune_s']:.1f}", f"{r['prune_s'] / r['blocks']:.2f}"])
@@ -307,10 +311,10 @@ def main() -> None:
         print(f"disk to disk output loaded with transformers, every tensor equal to the in-memory result: {same}")
     if "limited" not in skip:
         headroom = int(args.limit * weights)
+        fresh("tiny-pruned")
         r = run(sys.executable, {"kind": "limited", "folder": folder, "out": fresh("out-limited"),
                                  "warm": tiny, "headroom": headroom,
                                  "weights_bytes": weights})
-        fresh("tiny-pruned")
         v = run(sys.executable, {"kind": "verify", "out": os.path.join(args.workdir, "out-limited")}) \
             if "error" not in r else {"error": "no output"}
         ref = results.get("prunekit in memory, masks='bake'", {}).get("digest")
@@ -319,7 +323,7 @@ def main() -> None:
                      "equal to in memory"],
                     [[f"{headroom / MIB:,.0f} MiB ({args.limit:g}x weights)",
                       "no" if r.get("bound") else ("yes" if "bound" in r else "?"), f"{r.get('prune_s', 0):.1f}",
-                      "yes" if "digest" in v else v.get("error", "")[-60:], "yes" if same else "no"]],
+                      "yes" if "digest" in v else r.get("error", v.get("error", ""))[:100], "yes" if same else "no"]],
                     title="disk to disk under RLIMIT_AS"))
     if "dist" not in skip:
         drows, base = [], None
@@ -327,7 +331,7 @@ def main() -> None:
             r = run(sys.executable, {"kind": "dist", "folder": folder, "out": fresh(f"out-dist{n}"),
                                      "blocks": args.dist_blocks}, nproc=n)
             if "error" in r:
-                drows.append([n, "failed", "", "", r["error"].splitlines()[-1][:80]])
+                drows.append([n, "failed", "", "", r["error"][:100]])
                 continue
             base = base or r
             drows.append([n, f"{r['seconds']:.1f}", f"{base['seconds'] / r['seconds']:.2f}x",
