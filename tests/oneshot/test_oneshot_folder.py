@@ -161,6 +161,25 @@ def test_bad_folders_are_refused_by_name_and_nothing_is_written(src, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["index-lies", "lying", "no-weights", "other-class", "out", "truncated"]
 
 
+@pytest.mark.parametrize("family", ["gpt2", "opt", "qwen3", "phi3", "gemma2", "bert", "mixtral"])
+def test_other_families_or_a_clear_refusal(tmp_path, family):
+    from shrink_models import batches, build
+
+    model = build(family)
+    model.save_pretrained(tmp_path / "src")
+    if family == "mixtral":  # transformers stores its fused experts per expert: other names than the model's
+        with pytest.raises(ValueError, match="has tensor 'model.layers.0.mlp.gate.weight', which the safetensors"):
+            oneshot_folder(tmp_path / "src", tmp_path / "out", batches(family), method="wanda")
+        assert sorted(os.listdir(tmp_path)) == ["src"]
+        return
+    rd = oneshot_folder(tmp_path / "src", tmp_path / "out", batches(family), method="wanda")
+    ref = type(model).from_pretrained(tmp_path / "src")
+    rm = prunekit.oneshot(ref, batches(family), method="wanda", masks="bake")
+    assert [(r.name, r.pruned) for r in rd.layers] == [(r.name, r.pruned) for r in rm.layers] and rd.layers
+    got = type(model).from_pretrained(tmp_path / "out").state_dict()
+    assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items())
+
+
 _LIMITED = """
 import os, resource, sys, torch
 sys.path.insert(0, {tests!r})

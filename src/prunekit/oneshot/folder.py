@@ -19,6 +19,12 @@ built beside its final place and appears complete or not at all
 
 With ``group=`` every rank reads the blocks and the ranks share the work as
 :mod:`prunekit.oneshot.parallel` says; rank 0 writes the folder.
+
+The folder's tensor names must be the model's own state-dict names (Llama,
+Mistral, Qwen2/3, Gemma 1-3, Phi-3, GPT-2, OPT, BERT, RoBERTa, DistilBERT
+...). Folders that ``transformers`` converts as it loads them -- its fused
+mixture-of-experts tensors (Mixtral, Qwen-MoE), renamed keys (ViT) -- are
+refused with the first missing name.
 """
 
 from __future__ import annotations
@@ -171,7 +177,10 @@ def _check_names(model: nn.Module, block_list: List[Tuple[str, nn.Module]], weig
         for m, key, full, _ in _tensors(block, bname, weights):
             if full not in weights:
                 raise ValueError(f"{type(model).__name__} has tensor {full!r}, which the safetensors files of "
-                                 f"{weights.folder} do not hold: the folder was not saved from this model class")
+                                 f"{weights.folder} do not hold: the files name the model's tensors otherwise (a "
+                                 "folder of another class, or a layout transformers converts as it loads -- fused "
+                                 "mixture-of-experts weights, renamed keys); oneshot_folder reads folders whose "
+                                 "tensor names are the model's own: prune the model from_pretrained loads instead")
             shape = weights.entry(full)[1]
             t = getattr(m, key)
             if list(t.shape) != shape:
