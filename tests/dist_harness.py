@@ -5,7 +5,8 @@ as a script), each of which joins one process group -- the rendezvous goes
 through a file in a fresh temporary directory, so no port is ever chosen and
 parallel runs cannot collide (gloo's connections take free ports from the
 OS) -- and runs the named scenario functions of ``tests/dist_scenarios.py``
-in order. Each rank records, per scenario, ``"ok"`` or the traceback; the
+in order (``"module:function"`` names a scenario of another module of
+``tests/``). Each rank records, per scenario, ``"ok"`` or the traceback; the
 parent returns them.
 
 Bounded: the process group times out after ``PG_TIMEOUT_S`` (a rank stuck in
@@ -35,7 +36,10 @@ def run_world(world: int, scenarios: Sequence[str], timeout_s: float = 240) -> D
     """``{scenario: {rank: "ok" or the error}}`` from ``world`` processes running ``scenarios``."""
     tmp = tempfile.mkdtemp(prefix="prunekit-dist-")
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0")
-    env["PYTHONPATH"] = os.pathsep.join([HERE] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    # absolute: the ranks run in tests/, where a relative entry (PYTHONPATH=src) would find nothing and the
+    # installed prunekit would be imported instead of the one under test
+    env["PYTHONPATH"] = os.pathsep.join([HERE] + [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                  if p])
     procs: List[subprocess.Popen] = []
     logs = []
     for rank in range(world):
@@ -97,7 +101,7 @@ def _main(tmp: str, rank: int, world: int, scenarios: List[str]) -> None:
         "gloo", init_method="file://" + os.path.join(tmp, "rendezvous"), rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
     )
-    import dist_scenarios
+    import importlib
 
     out: Dict[str, str] = {}
     cpu: Dict[str, float] = {"startup": round(time.process_time(), 2)}
@@ -107,7 +111,8 @@ def _main(tmp: str, rank: int, world: int, scenarios: List[str]) -> None:
             torch.manual_seed(0)
             t0 = time.process_time()
             try:
-                getattr(dist_scenarios, name)(rank, world)
+                module, _, function = name.rpartition(":")
+                getattr(importlib.import_module(module or "dist_scenarios"), function)(rank, world)
                 out[name] = "ok"
             except Exception:  # recorded per scenario; the others still run
                 out[name] = traceback.format_exc()

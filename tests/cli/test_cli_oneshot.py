@@ -132,3 +132,21 @@ def test_calibration_goes_through_the_hostile_reader(capsys, tmp_path):
     from prunekit.cli._oneshot import read_calibration
 
     assert read_calibration(str(dup)) == ["a", "b"]
+
+
+def test_a_model_folder_to_a_new_folder_from_disk_to_disk(capsys, tmp_path, cal):
+    pytest.importorskip("accelerate", reason="accelerate is not installed")
+    out = tmp_path / "pruned"
+    code, stdout, err = run(capsys, "oneshot", "--model", MINILM, "--calibration", cal, "--method", "wanda",
+                            "--out", out, "--json")
+    assert code == 0, err
+    data = json.loads(stdout)
+    assert data["weights_format"] == "hf-folder" and len(data["report"]["layers"]) == 36
+    assert sorted(os.listdir(out)) == sorted(os.listdir(MINILM))  # config, tokenizer, pooling: all there
+    model = transformers.AutoModel.from_pretrained(MINILM)
+    tok = transformers.AutoTokenizer.from_pretrained(MINILM)
+    prunekit.oneshot(model, SENTENCES, tokenizer=tok, method="wanda", masks="bake")
+    got = transformers.AutoModel.from_pretrained(str(out)).state_dict()
+    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
+    code, _, err = run(capsys, "oneshot", "--model", MINILM, "--calibration", cal, "--out", out)
+    assert code == 2 and f"--out {out} exists" in err

@@ -129,7 +129,7 @@ def test_offloading_moves_each_block_and_back(monkeypatch):
         moved.append((type(module).__name__, str(device)))
         return real(module, device)
 
-    monkeypatch.setattr("prunekit.oneshot.api.on_device", spy)
+    monkeypatch.setattr("prunekit.oneshot.walk.on_device", spy)
     model = _gpt2()
     prunekit.oneshot(model, _batches(), sparsity=0.5, method="wanda", device="cpu")
     assert moved == [("GPT2Block", "cpu"), ("GPT2Block", "cpu")]
@@ -177,10 +177,10 @@ def test_a_failure_midway_leaves_the_model_as_it_was(monkeypatch, exc):
     model = _llama()
     before = copy.deepcopy(model.state_dict())
     cls_before = {n: type(m) for n, m in model.named_modules()}
-    from prunekit.oneshot import api
+    from prunekit.oneshot import walk
 
     calls = {"n": 0}
-    real = api._write
+    real = walk.write
 
     def failing(*a, **k):
         calls["n"] += 1
@@ -188,7 +188,7 @@ def test_a_failure_midway_leaves_the_model_as_it_was(monkeypatch, exc):
             raise exc("injected")
         return real(*a, **k)
 
-    monkeypatch.setattr(api, "_write", failing)
+    monkeypatch.setattr(walk, "write", failing)
     with pytest.raises(exc, match="injected"):
         prunekit.oneshot(model, _batches(), sparsity=0.5, method="sparsegpt")
     assert model.state_dict().keys() == before.keys()

@@ -28,11 +28,18 @@ examples:
   prunekit oneshot --model path/to/hf-model-folder --calibration texts.json --pattern 2:4 --method sparsegpt --out p.safetensors
   prunekit oneshot --model mypkg.nets:make_lm --weights lm.pt --tokenizer path/to/tokenizer --calibration c.txt --out p.safetensors
 
+  prunekit oneshot --model path/to/hf-model-folder --calibration c.txt --method sparsegpt --out path/to/new-folder
+  torchrun --nproc-per-node 4 -m prunekit oneshot --model big-model --calibration c.txt --out pruned-model
+
 --model is a Hugging Face model folder (loaded with transformers.AutoModel, its tokenizer from the same
 folder) or a factory (package.module:function or file.py:function, with --weights and --tokenizer).
 --calibration is a text file with one sample per line, or a .json file holding a list of strings.
 Methods: magnitude, wanda, sparsegpt, prunekit (the default: best quality), prunekit-fast.
-The output is prunekit's compressed safetensors file (masks and pruned weights; prunekit.load_compressed).
+The output is prunekit's compressed safetensors file (masks and pruned weights; prunekit.load_compressed)
+when --out ends in .safetensors. Any other --out with a model folder is a NEW folder: the model is pruned
+from disk to disk, one block in memory at a time, into a copy of the folder (same shards, config and
+tokenizer files) that transformers loads; it appears complete or not at all. Under torchrun the ranks
+share the work (gloo on CPU, nccl with --device cuda) and give the result of one process.
 """
 
 
@@ -54,7 +61,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-length", type=int, default=128, metavar="N", help="tokens per sample at most (default 128)")
     p.add_argument("--batch-size", type=int, default=16, metavar="N", help="samples per calibration batch (default 16)")
     p.add_argument("--device", help="working device for each block, e.g. cuda (default: where the model is)")
-    p.add_argument("--out", required=True, metavar="FILE", help="where to write the pruned model (.safetensors)")
+    p.add_argument("--out", required=True, metavar="FILE|DIR",
+                   help="where to write the pruned model: a .safetensors file, or a new folder (disk to disk)")
     p.set_defaults(func=run)
 
 
@@ -131,19 +139,13 @@ def _load(args: argparse.Namespace) -> Tuple[Any, Any, Optional[str]]:
 
 def run(args: argparse.Namespace) -> int:
     import prunekit
-    from prunekit.oneshot.api import parse_pattern
     from prunekit.sparse import save_compressed
 
+    to_folder = os.path.isdir(args.model) and not args.out.endswith(".safetensors")
+    if to_folder:
+        return _run_folder(args)
     writable_path(args.out, "--out")
-    try:
-        parse_pattern(args.pattern)
-    except ValueError as e:
-        raise CliError(f"--pattern: {first_line(e)}") from None
-    if args.sparsity >= 1.0:
-        raise CliError(f"--sparsity {args.sparsity} is out of range; write the fraction to prune, in [0, 1), e.g. 0.5")
-    for opt in ("max_length", "batch_size"):
-        if getattr(args, opt) < 1:
-            raise CliError(f"--{opt.replace('_', '-')} must be a positive number, got {getattr(args, opt)}")
+    _check_args(args)
     samples = read_calibration(args.calibration)
     model, tok, kind = _load(args)
     progress, stop = _progress(args.json)
@@ -168,6 +170,79 @@ def run(args: argparse.Namespace) -> int:
     say(f"{len(report.layers)} layers in {report.blocks} blocks, sparsity {100 * report.sparsity:.2f}%, "
         f"{report.samples} samples / {report.tokens} tokens, {report.seconds:.1f} s")
     say(f"wrote {args.out} ({human_bytes(data['bytes'])})")
+    return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    from prunekit.oneshot.api import parse_pattern
+
+    try:
+        parse_pattern(args.pattern)
+    except ValueError as e:
+        raise CliError(f"--pattern: {first_line(e)}") from None
+    if args.sparsity >= 1.0:
+        raise CliError(f"--sparsity {args.sparsity} is out of range; write the fraction to prune, in [0, 1), e.g. 0.5")
+    for opt in ("max_length", "batch_size"):
+        if getattr(args, opt) < 1:
+            raise CliError(f"--{opt.replace('_', '-')} must be a positive number, got {getattr(args, opt)}")
+
+
+def _process_group(device: Optional[str]) -> Any:
+    """``True`` (the default group, set up here) under torchrun with more than one process, else ``None``."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if (device or "").startswith("cuda") else "gloo")
+    return True
+
+
+def _run_folder(args: argparse.Namespace) -> int:
+    """``--model DIR --out DIR``: disk to disk, one block in memory."""
+    from prunekit.oneshot import oneshot_folder
+
+    out = os.path.abspath(args.out)
+    if os.path.lexists(out):
+        raise CliError(f"--out {args.out} exists; the pruned model goes to a new folder (remove it or pick a new name)")
+    if not os.path.isdir(os.path.dirname(out)):
+        raise CliError(f"--out folder does not exist: {os.path.dirname(out)}")
+    if args.weights:
+        raise CliError("--weights goes with a factory --model; a model folder holds its own weights")
+    _check_args(args)
+    samples = read_calibration(args.calibration)
+    try:
+        import transformers
+
+        tok = transformers.AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    except ImportError:
+        raise CliError("disk-to-disk one-shot needs transformers and accelerate (pip install prunekit[hf])") from None
+    except Exception as e:
+        raise CliError(f"--tokenizer {args.tokenizer or args.model}: cannot load a tokenizer ({first_line(e)})") from None
+    group = _process_group(args.device)
+    progress, stop = _progress(args.json or group is not None)
+    try:
+        report = oneshot_folder(args.model, out, samples, tokenizer=tok, sparsity=args.sparsity, pattern=args.pattern,
+                                method=args.method, device=args.device, batch_size=args.batch_size,
+                                max_length=args.max_length, progress=progress, group=group)
+    except (ValueError, FileExistsError) as e:
+        raise CliError(first_line(e), 1) from None
+    finally:
+        stop()
+    if group is not None:
+        import torch.distributed as dist
+
+        if dist.get_rank() != 0:
+            return 0
+    size = sum(os.path.getsize(os.path.join(out, n)) for n in os.listdir(out))
+    data = {"command": "oneshot", "model": args.model, "weights_format": "hf-folder", "calibration": args.calibration,
+            "samples": len(samples), "output": args.out, "bytes": size, "report": report.to_dict()}
+    if args.json:
+        emit_json(data)
+        return 0
+    say(f"{len(report.layers)} layers in {report.blocks} blocks, sparsity {100 * report.sparsity:.2f}%, "
+        f"{report.samples} samples / {report.tokens} tokens, {report.seconds:.1f} s")
+    say(f"wrote the folder {args.out} ({human_bytes(size)})")
     return 0
 
 

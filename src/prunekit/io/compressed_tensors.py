@@ -55,13 +55,12 @@ import torch
 
 from .errors import UnreadableFileError
 from .reader import (
-    TEXT_LIMIT,
-    loads_json_strict,
     open_in_folder,
     read_safetensors_header,
     read_safetensors_tensor,
 )
 from .folders import atomic_folder
+from .hf_shards import INDEX_FILE, SINGLE_FILE, read_json_file, weight_map_of
 from .writer import _TMP_MARK, resolve_target, write_json
 
 __all__ = ["write_compressed_tensors", "read_compressed_tensors", "sparsity_structure_of"]
@@ -70,8 +69,10 @@ logger = logging.getLogger(__name__)
 _COMPRESSED_PARTS = ("shape", "compressed", "bitmask", "row_offsets")
 _PARTS = {"sparse-bitmask": ("shape", "compressed", "bitmask", "row_offsets"),
           "sparse-24-bitmask": ("shape", "compressed", "bitmask")}
-_SINGLE = "model.safetensors"
-_INDEX = "model.safetensors.index.json"
+_SINGLE = SINGLE_FILE
+_INDEX = INDEX_FILE
+_read_json = read_json_file
+_weight_map = weight_map_of
 _READ_ATTEMPTS = 8
 _MAX_DIM = 2 ** 31
 
@@ -257,28 +258,6 @@ def _open_folder(folder: str) -> Tuple[Optional[int], Tuple[int, int]]:
     except FileNotFoundError:
         raise _Changed() from None
     return fd, _dir_id(os.fstat(fd))
-
-
-def _read_json(f: IO[bytes], where: str) -> Any:
-    data = f.read(TEXT_LIMIT + 1)
-    if len(data) > TEXT_LIMIT:
-        raise UnreadableFileError(f"{where}: larger than {TEXT_LIMIT} bytes; a JSON file is never that large")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UnreadableFileError(f"{where}: not UTF-8 text (byte {e.start})") from None
-    return loads_json_strict(text, where)
-
-
-def _weight_map(index: Any, where: str) -> Dict[str, str]:
-    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict) or not index["weight_map"]:
-        raise UnreadableFileError(f"{where}: must be an object with a non-empty 'weight_map' (tensor name -> file)")
-    weight_map = index["weight_map"]
-    bad = [(k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v.endswith(".safetensors")]
-    if bad:
-        raise UnreadableFileError(f"{where}: weight_map puts {bad[0][0]!r} in {bad[0][1]!r}, which is not a "
-                                  ".safetensors file name")
-    return weight_map
 
 
 def _snapshot(folder: str) -> Tuple[Dict[str, Any], "OrderedDict[str, torch.Tensor]"]:

@@ -1,14 +1,19 @@
-"""Plain (dense) safetensors files, written through the atomic writer."""
+"""Plain (dense) safetensors files: whole files through the atomic writer, or streamed into an open file."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+import json
+from typing import IO, Any, Dict, Mapping, Optional
 
 import torch
 
+from .reader import SAFETENSORS_TAGS
 from .writer import atomic_path
 
-__all__ = ["write_safetensors"]
+__all__ = ["write_safetensors", "stream_safetensors", "tensor_bytes", "SAFETENSORS_TAG_OF"]
+
+#: torch dtype -> safetensors dtype tag
+SAFETENSORS_TAG_OF: Dict["torch.dtype", str] = {dtype: tag for tag, dtype in SAFETENSORS_TAGS.items()}
 
 
 def write_safetensors(model_or_state_dict: Any, path: Any, *, metadata: Optional[Mapping[str, str]] = None) -> None:
@@ -40,3 +45,58 @@ def write_safetensors(model_or_state_dict: Any, path: Any, *, metadata: Optional
         tensors[k] = v.detach().to("cpu").contiguous().clone()
     with atomic_path(path) as tmp:
         save_file(tensors, tmp, metadata=dict(metadata) if metadata else None)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of ``t`` as safetensors stores them (row-major, little-endian), without a copy when ``t``
+    is a contiguous CPU tensor.
+
+    Examples:
+        >>> import torch
+        >>> bytes(tensor_bytes(torch.tensor([1], dtype=torch.int16)))
+        b'\\x01\\x00'
+    """
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def stream_safetensors(f: IO[bytes], tensors: Mapping[str, torch.Tensor],
+                       metadata: Optional[Mapping[str, str]] = None) -> int:
+    """Write ``tensors`` as one safetensors file into the open binary file ``f`` (from its start), one
+    tensor at a time: no copy of the whole is made, so a block as large as memory allows can be kept on
+    disk. Returns the bytes written. Read it back with :func:`prunekit.io.reader.read_safetensors_header`
+    and :func:`~prunekit.io.reader.read_safetensors_tensor` on the same file.
+
+    Examples:
+        >>> import tempfile, torch
+        >>> from prunekit.io.reader import read_safetensors_header, read_safetensors_tensor
+        >>> with tempfile.TemporaryFile() as f:
+        ...     _ = stream_safetensors(f, {"w": torch.arange(4, dtype=torch.bfloat16)})
+        ...     read_safetensors_tensor(f, read_safetensors_header(f, "<scratch>"), "w").tolist()
+        [0.0, 1.0, 2.0, 3.0]
+    """
+    header: Dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in SAFETENSORS_TAG_OF:
+            raise TypeError(f"stream_safetensors: tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_TAG_OF[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data buffer starts 8-byte aligned, as the safetensors library writes it
+    f.seek(0)
+    f.write(len(raw).to_bytes(8, "little"))
+    f.write(raw)
+    for t in tensors.values():
+        f.write(tensor_bytes(t))
+    f.truncate()
+    f.flush()
+    return 8 + len(raw) + offset

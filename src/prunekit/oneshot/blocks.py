@@ -220,7 +220,7 @@ def capture_block_inputs(
     """Run ``model`` on each batch up to ``block`` and return what ``block`` received.
 
     The model stops at the block (nothing after it runs). Each batch's tensors
-    are moved to the device of the model's first parameter; the captured
+    are moved to the device of the model's first parameter (not on ``meta``); the captured
     inputs are moved to ``device`` when given. A dict batch's 2-D
     ``attention_mask`` becomes the input's ``token_mask``.
 
@@ -237,10 +237,9 @@ def capture_block_inputs(
         seen.append((args, dict(kwargs)))
         raise _Stop
 
-    try:
-        model_device = next(model.parameters()).device
-    except StopIteration:
-        model_device = torch.device("cpu")
+    # where the model computes: its first parameter's device (not "meta": a model whose weights load as they
+    # are used, block by block, computes on the CPU)
+    model_device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     out: List[BlockInput] = []
     with pre_hooks([(block, hook)], with_kwargs=True):
         with torch.no_grad():

@@ -155,9 +155,12 @@ def hessian_inverse_cholesky(xtx: Tensor, damp: float = 0.01) -> Tensor:
         >>> torch.allclose(u, torch.tensor([[0.5, 0.0], [0.0, 1.0]]))
         True
     """
+    # each intermediate freed as soon as the next exists: two in_features^2 matrices at a time, not four
     h = dampened_hessian(xtx, damp)
     lower = torch.linalg.cholesky(h)
+    del h
     hinv = torch.cholesky_inverse(lower)
+    del lower
     return torch.linalg.cholesky(hinv, upper=True)
 
 
@@ -190,11 +193,14 @@ def sparsegpt_prune(
     _check(weight, sparsity, nm)
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    w = weight.detach().float().clone()
+    # H^-1's factor first: its two transient in^2 matrices are the peak, the float32 weights come after it
+    u = hessian_inverse_cholesky(xtx.to(weight.device), damp)
+    w = weight.detach().float()
+    if w.data_ptr() == weight.data_ptr():  # already float32: work on a copy (a lower precision converted above)
+        w = w.clone()
     rows, cols = w.shape
     dead = xtx.diagonal().to(w.device) == 0
     w[:, dead] = 0
-    u = hessian_inverse_cholesky(xtx.to(w.device), damp)
     keep = torch.ones(rows, cols, dtype=torch.bool, device=w.device)
     total = prune_count(rows * cols, sparsity) if nm is None else 0
     for i1 in range(0, cols, block_size):
