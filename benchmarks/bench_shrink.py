@@ -34,7 +34,7 @@ import os
 import random
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -282,74 +282,94 @@ class DecoderSetup:
         return {"seconds": time.perf_counter() - t0, "tokens": r.tokens}
 
 
-def _shrunk(setup: DecoderSetup, **kw: Any) -> Any:
-    model = copy.deepcopy(setup.teacher)
-    t0 = time.perf_counter()
-    report = prunekit.shrink(model, setup.calibration, TARGET, scope="blocks", **kw)
-    return model, report, time.perf_counter() - t0
-
-
 def _sizes(report: Any) -> str:
     return ", ".join(f"{k} {report.dense.sizes[k]}->{v}" for k, v in sorted(report.chosen.sizes.items())
                      if v != report.dense.sizes[k]) or "nothing removed"
 
 
-def bench_decoder(args: argparse.Namespace) -> None:
-    log(f"\n== Decoder LM trained here, shrunk to {TARGET:.0%} of its block parameters ({load_note()})")
-    setup = DecoderSetup(args)
-    t = setup.teacher
-    dense_blocks = block_params(t.model.layers)
-    ppl_dense = lm.perplexity(t, setup.held_out)
-    m = setup.meta
-    log(f"   dense: held-out perplexity {ppl_dense:.2f} (trained on {m['tokens']:,} tokens in {m['seconds'] / 60:.1f} "
-        f"min{', from the cache' if m['cached'] else ''})")
-    rows = [["dense (teacher)", "-", f"{dense_blocks:,}", f"{all_params(t):,}", f"{ppl_dense:.2f}", "-", "-"]]
-    axes_rows = [("prunekit.shrink (all axes)", {})] + [(f"{a} only", {"axes": [a]}) for a in
-                                                        ("hidden", "heads", "ffn", "layers")]
-    shrunk_default = None
-    for label, kw in axes_rows:
+class DecoderRows:
+    """The decoder table: each row a model, its size, and its held-out perplexity before and after training."""
+
+    def __init__(self, setup: DecoderSetup) -> None:
+        self.setup = setup
+        t = setup.teacher
+        self.dense_blocks, self.dense_all = block_params(t.model.layers), all_params(t)
+        self.ppl_dense = lm.perplexity(t, setup.held_out)
+        self.rows: List[List[str]] = [["dense (teacher)", "-", "-", self._size(t), f"{self.ppl_dense:.2f}", "-", "-"]]
+
+    def _size(self, model: torch.nn.Module) -> str:
+        blocks, total = block_params(model.model.layers), all_params(model)
+        return f"{total:,} ({total / self.dense_all:.1%}); blocks {blocks:,} ({blocks / self.dense_blocks:.1%})"
+
+    def shrunk(self, label: str, target: str, lr: float, **kw: Any) -> Optional[Tuple[torch.nn.Module, float]]:
+        """Shrink a copy of the teacher (``kw``: prunekit.shrink's options), distill it; one row. None: unreachable."""
+        s = self.setup
+        model = copy.deepcopy(s.teacher)
+        t0 = time.perf_counter()
         try:
-            model, report, secs = _shrunk(setup, **kw)
+            report = prunekit.shrink(model, s.calibration, **kw)
         except ValueError as e:
             log(f"   {label}: {e}")
-            rows.append([label, "target not reachable on this axis alone", "-", "-", "-", "-", str(e).split(";")[0]])
-            continue
-        before = lm.perplexity(model, setup.held_out)
-        d = setup.distill(model, args.distill_lr_lm)
-        after = lm.perplexity(model, setup.held_out)
-        blocks = block_params(model.model.layers)
-        log(f"   {label}: {_sizes(report)}; {blocks:,} block params; perplexity {before:.2f} -> {after:.2f} after "
+            self.rows.append([label, target, str(e).split(";")[0], "-", "-", "-", "-"])
+            return None
+        secs = time.perf_counter() - t0
+        before = lm.perplexity(model, s.held_out)
+        d = s.distill(model, lr)
+        after = lm.perplexity(model, s.held_out)
+        log(f"   {label}: {_sizes(report)}; {self._size(model)}; perplexity {before:.2f} -> {after:.2f} after "
             f"distillation ({d['tokens']:,} tokens, {d['seconds'] / 60:.1f} min); shrink {secs:.0f} s")
-        rows.append([label, _sizes(report), f"{blocks:,} ({blocks / dense_blocks:.1%})", f"{all_params(model):,}",
-                     f"{before:.2f}", f"{after:.2f}", f"{d['tokens']:,} tokens, {d['seconds'] / 60:.1f} min"])
-        if shrunk_default is None:
-            shrunk_default = (model, after)
-    if shrunk_default is not None:
-        scratch_row(args, setup, shrunk_default, rows, dense_blocks)
-    s = setup.settings
+        self.rows.append([label, target, _sizes(report), self._size(model), f"{before:.2f}", f"{after:.2f}",
+                          f"distilled on {d['tokens']:,} tokens ({d['seconds'] / 60:.1f} min)"])
+        return model, after
+
+    def scratch(self, shrunk: Tuple[torch.nn.Module, float], batches: List[torch.Tensor], label: str) -> float:
+        """The shrunk model's exact shape, freshly initialised and trained on ``batches``; one row."""
+        s = self.setup
+        model, distilled = shrunk
+        fresh = lm.build(s.settings, s.corpus.vocab, config=copy.deepcopy(model.config), seed=1)
+        if [p.shape for p in fresh.parameters()] != [p.shape for p in model.parameters()]:
+            raise RuntimeError("the model trained from scratch does not have the shrunk model's shape")
+        info = lm.train_lm(fresh, batches, s.settings, seed=1)
+        ppl = lm.perplexity(fresh, s.held_out)
+        log(f"   {label}: perplexity {ppl:.2f} ({info['tokens']:,} tokens, {info['seconds'] / 60:.1f} min); shrunk + "
+            f"distilled {distilled:.2f}: {'beats' if distilled < ppl else 'does NOT beat'} it")
+        self.rows.append([label, "the row above's shape", "-", self._size(fresh), "-", f"{ppl:.2f}",
+                          f"trained on {info['tokens']:,} tokens ({info['seconds'] / 60:.1f} min)"])
+        return ppl
+
+
+def bench_decoder(args: argparse.Namespace) -> None:
+    log(f"\n== Decoder LM trained here, shrunk to {TARGET:.0%} ({load_note()})")
+    setup = DecoderSetup(args)
+    m, s = setup.meta, setup.settings
+    table_rows = DecoderRows(setup)
+    log(f"   dense: held-out perplexity {table_rows.ppl_dense:.2f} (trained on {m['tokens']:,} tokens in "
+        f"{m['seconds'] / 60:.1f} min{', from the cache' if m['cached'] else ''})")
+    lr = args.distill_lr_lm
+    verdicts = []
+    for scope, what in (("model", "all parameters"), ("blocks", "block parameters")):
+        target = f"{TARGET:.0%} of {what}"
+        got = table_rows.shrunk(f"prunekit.shrink, all axes (scope={scope!r})", target, lr, target=TARGET, scope=scope)
+        if got is None:
+            continue
+        ppl = table_rows.scratch(got, setup.b_ids, "  same shape, from scratch, the same B tokens")
+        verdicts.append([f"shrunk + distilled, {target}", f"{got[1]:.2f}", f"{ppl:.2f}",
+                         "yes" if got[1] < ppl else "NO"])
+        if scope == "model" and not args.quick:
+            full = lm.batches_of(setup.corpus.train, s.tokens, s.batch, s.seed)
+            table_rows.scratch(got, full, "  same shape, from scratch, the teacher's whole budget")
+    for axis in ("hidden", "heads", "ffn", "layers"):
+        target = f"{TARGET:.0%} of block parameters"
+        if table_rows.shrunk(f"{axis} only", target, lr, target=TARGET, scope="blocks", axes=[axis]) is None:
+            table_rows.shrunk(f"{axis} only, as far as it goes", "1 unit per block", lr, sizes={axis: 1})
     title = (f"Llama-architecture LM (hidden {s.hidden}, {s.layers} layers, {s.heads} heads / {s.kv_heads} key-value, "
-             f"FFN {s.ffn}, vocabulary {setup.corpus.vocab:,}) trained on {m['tokens']:,} tokens of standard-library "
-             f"text; held-out perplexity ({len(setup.held_out) * s.seq:,} tokens) at {TARGET:.0%} of the block "
-             f"parameters; distillation and scratch: the same B = {setup.budget:,} tokens")
-    log("\n" + table(["model", "sizes", "block params", "all params", "perplexity, calibration only",
-                      "perplexity, distilled", "training"], rows, title=title))
-
-
-def scratch_row(args: argparse.Namespace, setup: DecoderSetup, shrunk: Any, rows: List[List[str]],
-                dense_blocks: int) -> None:
-    """The shrunk model's exact shape trained from scratch on the same B tokens; the verdict."""
-    model, distilled_ppl = shrunk
-    fresh = lm.build(setup.settings, setup.corpus.vocab, config=copy.deepcopy(model.config), seed=1)
-    assert [p.shape for p in fresh.parameters()] == [p.shape for p in model.parameters()]
-    info = lm.train_lm(fresh, setup.b_ids, setup.settings, seed=1)
-    ppl = lm.perplexity(fresh, setup.held_out)
-    blocks = block_params(fresh.model.layers)
-    log(f"   same shape from scratch on the same {info['tokens']:,} tokens: perplexity {ppl:.2f} "
-        f"({info['seconds'] / 60:.1f} min); shrunk + distilled {distilled_ppl:.2f}: "
-        f"{'beats' if distilled_ppl < ppl else 'does NOT beat'} it")
-    rows.append(["same shape, from scratch", "the shrunk model's config", f"{blocks:,} ({blocks / dense_blocks:.1%})",
-                 f"{all_params(fresh):,}", "-", f"{ppl:.2f} (trained)",
-                 f"{info['tokens']:,} tokens, {info['seconds'] / 60:.1f} min"])
+             f"FFN {s.ffn}, vocabulary {setup.corpus.vocab:,}) trained here on {m['tokens']:,} tokens of standard-"
+             f"library text ({m['seconds'] / 60:.1f} min); held-out perplexity on {len(setup.held_out) * s.seq:,} "
+             f"tokens; distillation (KL, lr {lr}) and training from scratch on the same B = {setup.budget:,} tokens")
+    log("\n" + table(["model", "target", "sizes", "parameters", "perplexity, calibration only",
+                      "perplexity, distilled / trained", "training"], table_rows.rows, title=title))
+    log("\n" + table(["Minitron's claim", "shrunk + distilled", "same shape from scratch, same tokens", "beats it"],
+                     verdicts, title="Decoder: shrunk + distilled against the same shape trained from scratch"))
 
 
 # ============================================================================ main
