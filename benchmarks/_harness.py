@@ -16,6 +16,7 @@ Nothing here knows about pruning. It provides:
 * small statistics and table-formatting helpers;
 * results files: every :func:`table` a benchmark prints is also recorded, and when
   the script ends the tables are written to ``benchmarks/results/<script>.json``
+  (``<script>.<flag>....json`` for a run given other flags than ``--allow-load``)
   with the command, date, machine, load averages and versions
   (:func:`write_results`); the docs' benchmarks page is generated from these files.
 """
@@ -363,6 +364,9 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, title: str = 
 
 # ----------------------------------------------------------------------------- results files
 
+#: flags that change no setting of a run (only whether loaded figures are printed, marked): a run with them
+#: writes the same results file as one without (the file records the load and the command)
+SAME_RUN_FLAGS = ("allow-load",)
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 _RECORDED: list[dict] = []
 _STARTED = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_average": None}
@@ -421,6 +425,7 @@ def write_results(path: str | None = None) -> str:
     """Write the recorded tables with command, date, machine, load and versions; return the path."""
     name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
     flags = [a.lstrip("-").split("=")[0] for a in sys.argv[1:] if a.startswith("--")]
+    flags = [f for f in flags if f not in SAME_RUN_FLAGS]
     path = path or os.path.join(RESULTS_DIR, ".".join([name, *flags]) + ".json")
     data = {
         "benchmark": name,
