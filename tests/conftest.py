@@ -55,6 +55,18 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def quiet_transformers():
+    """transformers' own warnings silenced for the test (random small configs make it chatty).
+    A test file opts in with ``pytest.mark.usefixtures("quiet_transformers")``."""
+    from transformers import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    yield
+    hf_logging.set_verbosity(verbosity)
+
+
 # ------------------------------------------------------------ framework fixture
 FRAMEWORKS = ["torch", "tensorplay"]
 

@@ -11,17 +11,9 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 import shrink_models as sm  # noqa: E402
 from prunekit.compact import build_dependency_graph, compact, compaction_description, prune_groups  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "quiet_transformers")
 
 LAYERS = 2
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    yield
-    transformers.logging.set_verbosity(verbosity)
 
 
 def _make(family):

@@ -24,18 +24,9 @@ from prunekit.compact import (  # noqa: E402
     prune_groups,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread", "quiet_transformers")
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(autouse=True)
-def _quiet_one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    yield
-    transformers.logging.set_verbosity(verbosity)
-    torch.set_num_threads(n)
 
 
 def _out(model, x):

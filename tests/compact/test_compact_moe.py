@@ -24,19 +24,11 @@ from prunekit.compact import (  # noqa: E402
     save_compacted,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "quiet_transformers")
 
 LAYERS = 2
 HIDDEN, EXPERTS = 32, 4
 EXPERT_FFN = {"mixtral": 48, "qwen2_moe": 24, "qwen3_moe": 24}
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    yield
-    transformers.logging.set_verbosity(verbosity)
 
 
 def _make(family):

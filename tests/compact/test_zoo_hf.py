@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 import shrink_models as S  # noqa: E402
 from prunekit.compact import compact, compaction_description, prune_groups  # noqa: E402
 
-pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures("one_thread", "quiet_transformers")]
 
 #: families whose config cannot say the compacted sizes, and the words the reason must hold
 REFUSED = {
@@ -30,14 +30,6 @@ REFUSED = {
 def _out(model, batch):
     with torch.no_grad():
         return S.output(model, batch)
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    yield
-    transformers.logging.set_verbosity(verbosity)
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, id=f"{f}-{'refused' if f in REFUSED else 'round-trip'}")
