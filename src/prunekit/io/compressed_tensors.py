@@ -393,8 +393,11 @@ def _int_list(t: torch.Tensor, where: str, what: str) -> List[int]:
 
 
 def _check_layer(fmt: str, prefix: str, parts: Dict[str, torch.Tensor], plain: Dict[str, torch.Tensor],
-                 where: str) -> List[int]:
-    """Check one compressed weight's parts against each other, before anything is allocated; its dense shape."""
+                 where: str, conv1d: bool = False) -> List[int]:
+    """Check one compressed weight's parts against each other, before anything is allocated; its dense shape.
+
+    ``conv1d``: the folder compresses ``Conv1D`` weights (``(in, out)``), whose bias has ``out`` = columns values.
+    """
     at = f"{where}: compressed weight {prefix + '.weight'!r}"
     expected = _PARTS[fmt]
     if set(parts) != set(expected):
@@ -433,7 +436,7 @@ def _check_layer(fmt: str, prefix: str, parts: Dict[str, torch.Tensor], plain: D
             raise UnreadableFileError(f"{at}: 2:4 values of a [{rows}, {cols}] weight are [{rows}, {cols // 2}], "
                                       f"the file stores {list(values.shape)}")
     bias = plain.get(prefix + ".bias")
-    if bias is not None and list(bias.shape) != [rows]:
+    if bias is not None and list(bias.shape) != [rows] and not (conv1d and list(bias.shape) == [cols]):
         raise UnreadableFileError(f"{at}: shape [{rows}, {cols}] does not fit its bias of {list(bias.shape)}")
     return [rows, cols]
 
@@ -505,6 +508,8 @@ def read_compressed_tensors(path: Any, **_options: Any) -> "OrderedDict[str, tor
         return plain
     where = folder
     parts_of = _PARTS[fmt]
+    targets = cfg["quantization_config"]["sparsity_config"].get("targets")
+    conv1d = isinstance(targets, list) and "Conv1D" in targets
     layers: Dict[str, Dict[str, torch.Tensor]] = {}
     for k in plain:
         prefix, _, leaf = k.rpartition(".")
@@ -516,7 +521,7 @@ def read_compressed_tensors(path: Any, **_options: Any) -> "OrderedDict[str, tor
     for prefix, parts in layers.items():
         if prefix + ".weight" in plain:
             raise UnreadableFileError(f"{where}: {prefix + '.weight'!r} is stored both dense and compressed")
-        _check_layer(fmt, prefix, parts, plain, where)
+        _check_layer(fmt, prefix, parts, plain, where, conv1d=conv1d)
     try:
         compressor = ModelCompressor.from_compression_config(cfg["quantization_config"])
         sparse = getattr(compressor, "sparsity_compressor", None)
