@@ -98,3 +98,24 @@ def test_plain_safetensors_ties(tmp_path):
     save_file(t, bad, metadata={TIED_KEY: json.dumps({"c": "a"})})
     sd = read_plain_safetensors(bad)
     assert list(sd) == ["a", "b", "c"] and sd["c"] is sd["a"]
+
+
+def test_the_streaming_writer_records_ties_as_the_whole_file_writer_does(tmp_path):
+    from prunekit.io.compressed import CompressedWriter
+
+    model = _LM()
+    sd = model.state_dict()
+    whole, streamed = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
+    save_compressed(model, whole)
+    with CompressedWriter(streamed) as out:
+        out.add("emb.weight", sd["emb.weight"])
+        with pytest.raises(ValueError, match="add 'nope' first"):
+            out.alias("head.weight", "nope")
+        out.alias("head.weight", "emb.weight")
+        with pytest.raises(ValueError, match="'head.weight' is already added"):
+            out.alias("head.weight", "emb.weight")
+        out.add("other.weight", sd["other.weight"])
+        out.add("other.bias", sd["other.bias"])
+    a, b = load_compressed(whole), load_compressed(streamed)
+    assert sorted(a) == sorted(b) and b["head.weight"] is b["emb.weight"]
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -160,3 +160,23 @@ def test_gpt2_conv1d_refuses_a_2_4_folder_it_cannot_express(tmp_path):
                                          r"layout groups its outputs\) does not have the 2:4 pattern"):
         prunekit.save_compressed(model, str(tmp_path / "ct"), format="compressed-tensors", sparsity_structure="2:4")
     assert not os.listdir(tmp_path)
+
+
+def test_a_head_pruned_apart_from_its_embedding_is_exported_untied(tmp_path):
+    model = S.build_zoo("gemma")
+    batch = S.zoo_batch("gemma")
+    prunekit.oneshot(model, [batch], pattern="2:4", method="magnitude")
+    w = model.lm_head.weight.detach()
+    keep = w.abs().reshape(-1, 4).topk(2, dim=1).indices
+    prunekit.custom_from_mask(model.lm_head, "weight",
+                              torch.zeros(w.numel() // 4, 4).scatter_(1, keep, 1.0).reshape(w.shape))
+    expected = S.output(model, batch)
+    folder = str(tmp_path / "ct")
+    sc = prunekit.save_compressed(model, folder, format="compressed-tensors")
+    assert sc["format"] == "sparse-24-bitmask" and "lm_head" not in sc["ignore"]
+    assert json.load(open(os.path.join(folder, "config.json")))["tie_word_embeddings"] is False
+    assert model.config.tie_word_embeddings is True  # the model's own config is left alone
+    loaded = type(model)(transformers.AutoConfig.from_pretrained(folder)).eval()
+    assert loaded.lm_head.weight is not loaded.model.embed_tokens.weight
+    ModelCompressor.from_pretrained(folder).decompress(folder, loaded)
+    assert torch.equal(S.output(loaded, batch), expected)

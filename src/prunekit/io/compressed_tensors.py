@@ -243,6 +243,11 @@ def write_compressed_tensors(model: Any, path: Any, *, sparsity_structure: Optio
 
         cfg_dict["architectures"] = [base_class(model).__name__]
     sd, aliases = _effective_state_dict(model)
+    untied = [k for k in tied_keys_of(model) if k in sd]  # pruned apart from its source: no longer tied
+    if untied and cfg_dict.get("tie_word_embeddings"):
+        cfg_dict["tie_word_embeddings"] = False  # else from_pretrained would tie the pruned head back
+        logger.warning("save_compressed(format='compressed-tensors'): %s no longer equals the weight it is tied "
+                       "to (it was pruned on its own); config.json says tie_word_embeddings=false", untied[0])
     structure, chosen, dense = _choose(model, sd, aliases, ignore, sparsity_structure)
     zeros = sum(int((w == 0).sum()) for w in chosen.values())
     total = sum(w.numel() for w in chosen.values())

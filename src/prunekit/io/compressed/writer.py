@@ -277,6 +277,30 @@ class CompressedWriter:
             spool[1] += n
         self._index.append(entry)
 
+    def alias(self, name: str, of: str) -> None:
+        """Record ``name`` as tied to the tensor already added as ``of``: nothing stored, one tensor on load.
+
+        Examples:
+            >>> import os, tempfile, torch
+            >>> from prunekit.io.compressed import load_compressed
+            >>> path = os.path.join(tempfile.mkdtemp(), "tied.safetensors")
+            >>> with CompressedWriter(path) as out:
+            ...     out.add("emb.weight", torch.ones(4, 2))
+            ...     out.alias("head.weight", "emb.weight")
+            >>> sd = load_compressed(path)
+            >>> sd["head.weight"] is sd["emb.weight"]
+            True
+        """
+        if self._closed:
+            raise ValueError(f"CompressedWriter({self.path!r}) is closed; open a new one")
+        if not isinstance(name, str) or name.endswith(_RESERVED) or any(e["name"] == name for e in self._index):
+            raise ValueError(f"CompressedWriter.alias({name!r}, {of!r}): {name!r} is already added or not a name "
+                             "prunekit can store; give each tensor one name")
+        if not any(e["name"] == of and e["encoding"] != "alias" for e in self._index):
+            raise ValueError(f"CompressedWriter.alias({name!r}, {of!r}): add {of!r} first (with add()); an alias "
+                             "names a tensor stored in the file")
+        self._index.append({"name": name, "encoding": "alias", "of": of})
+
     def close(self) -> None:
         """Write the file (atomically) and remove the spools."""
         if self._closed:
