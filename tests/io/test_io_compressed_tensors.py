@@ -13,6 +13,7 @@ from compressed_tensors.compressors import ModelCompressor  # noqa: E402
 
 import prunekit  # noqa: E402
 from prunekit.io import UnreadableFileError, read_checkpoint  # noqa: E402
+from prunekit.io.compressed_tensors import read_compressed_tensors  # noqa: E402
 
 
 def _bits(t):
@@ -113,14 +114,14 @@ def test_the_real_minilm_at_2_4(tmp_path):
 
 def test_refusals(tmp_path):
     model = _tiny("bert")
-    with pytest.raises(ValueError, match="no Linear weight with zeros"):
+    with pytest.raises(ValueError, match=r"no Linear \(or Conv1D\) weight with zeros"):
         prunekit.save_compressed(model, str(tmp_path / "a"), format="compressed-tensors")
     _prune(model, "unstructured")
-    with pytest.raises(ValueError, match="does not have the 2:4 pattern"):
+    with pytest.raises(ValueError, match="no Linear weight has the 2:4 pattern"):
         prunekit.save_compressed(model, str(tmp_path / "b"), format="compressed-tensors", sparsity_structure="2:4")
     with pytest.raises(TypeError, match="not its state dict"):
         prunekit.save_compressed(model.state_dict(), str(tmp_path / "c"), format="compressed-tensors")
-    with pytest.raises(ValueError, match="is not a Linear module"):
+    with pytest.raises(ValueError, match=r"is not a Linear \(or Conv1D\) module"):
         prunekit.save_compressed(model, str(tmp_path / "d"), format="compressed-tensors", ignore=["nope"])
     (tmp_path / "file").write_text("x")
     with pytest.raises(FileExistsError, match="is a file"):
@@ -269,3 +270,48 @@ def test_a_replace_at_every_step_of_a_read_never_mixes_the_two(tmp_path, two_exp
         if steps.count <= at:
             break
     assert len(outcomes) > 5 and ["new"] in outcomes[:-1]
+
+
+def _stored_names(folder):
+    from prunekit.io.reader import open_regular, read_safetensors_header
+
+    path = os.path.join(folder, "model.safetensors")
+    with open_regular(path) as f:
+        return set(read_safetensors_header(f, path).tensors)
+
+
+def test_one_unstructured_layer_stays_dense_and_the_rest_stays_2_4(tmp_path):
+    model = _prune(_tiny("llama"), "2:4")
+    odd = "model.layers.1.mlp.down_proj"
+    prunekit.remove(model.get_submodule(odd), "weight")
+    with torch.no_grad():
+        model.get_submodule(odd).weight.normal_()  # dense again, then pruned unstructured
+    prunekit.l1_unstructured(model.get_submodule(odd), "weight", amount=0.6)
+    folder = str(tmp_path / "mixed")
+    sc = prunekit.save_compressed(model, folder, format="compressed-tensors")
+    assert sc["format"] == "sparse-24-bitmask" and sc["targets"] == ["Linear"]
+    assert sc["ignore"] == [odd, "lm_head"]
+    stored = _stored_names(folder)
+    assert odd + ".weight" in stored and odd + ".bitmask" not in stored
+    assert sum(n.endswith(".bitmask") for n in stored) == 13  # the 14 block Linear layers but one
+    sd = read_compressed_tensors(folder)
+    for k, v in prunekit.dense_state_dict(model).items():
+        assert torch.equal(sd[k], v), k
+    # asked for the unstructured layout: every pruned weight as a bitmask, the dense lm_head dense
+    sc = prunekit.save_compressed(model, folder, format="compressed-tensors", sparsity_structure="unstructured")
+    assert sc["format"] == "sparse-bitmask" and sc["ignore"] == ["lm_head"]
+    assert odd + ".bitmask" in _stored_names(folder)
+
+
+def test_a_weight_with_a_few_zeros_is_stored_dense_in_the_bitmask_layout(tmp_path):
+    model = _prune(_tiny("llama"), "unstructured")
+    few = "model.layers.0.self_attn.q_proj"
+    prunekit.remove(model.get_submodule(few), "weight")
+    with torch.no_grad():
+        model.get_submodule(few).weight.normal_()
+        model.get_submodule(few).weight[0, :3] = 0  # 3 zeros: a bitmask would be larger than the weight
+    folder = str(tmp_path / "few")
+    sc = prunekit.save_compressed(model, folder, format="compressed-tensors")
+    assert sc["format"] == "sparse-bitmask" and sc["ignore"] == [few, "lm_head"]
+    assert few + ".weight" in _stored_names(folder)
+    assert torch.equal(read_compressed_tensors(folder)[few + ".weight"], model.get_submodule(few).weight)

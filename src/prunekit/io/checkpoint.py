@@ -25,6 +25,7 @@ import torch
 
 from ..errors import first_line
 from .errors import CheckpointSignatureError, UnreadableFileError, UnsafeCheckpointError
+from .plain import tied_of
 from .reader import open_regular, read_safetensors
 
 __all__ = ["read_checkpoint", "read_torch", "read_plain_safetensors", "read_prunekit", "unwrap_state_dict"]
@@ -115,6 +116,9 @@ def read_plain_safetensors(path: PathLike, *, trust_pickle: bool = False,
                            key: Any = None) -> "OrderedDict[str, torch.Tensor]":
     """Read a plain safetensors file through the hostile reader (header validated first).
 
+    Tied names that :func:`prunekit.io.plain.write_safetensors` listed in the
+    metadata come back as the very tensor they are tied to.
+
     Examples:
         >>> import os, tempfile, torch
         >>> from safetensors.torch import save_file
@@ -126,7 +130,8 @@ def read_plain_safetensors(path: PathLike, *, trust_pickle: bool = False,
     if key is not None:
         raise _unsigned(path, "safetensors")
     try:
-        tensors, _ = read_safetensors(path)
+        tensors, metadata = read_safetensors(path)
+        tied = tied_of(tensors, metadata, path)
     except UnreadableFileError as e:
         msg = str(e)
         detail = msg[len(path) + 2:] if msg.startswith(path + ": ") else msg
@@ -134,7 +139,10 @@ def read_plain_safetensors(path: PathLike, *, trust_pickle: bool = False,
             f"{path}: not a readable safetensors file ({detail}); give a file written by "
             "safetensors.torch.save_file or prunekit.sparse.save_compressed"
         ) from None
-    return OrderedDict(tensors)
+    out = OrderedDict(tensors)
+    for name, stored in tied.items():  # tied tensors: one tensor under each name, as in the saved state dict
+        out[name] = out[stored]
+    return out
 
 
 def read_prunekit(path: PathLike, *, trust_pickle: bool = False, key: Any = None) -> "OrderedDict[str, torch.Tensor]":

@@ -4,10 +4,23 @@
 a Hugging Face model folder -- ``model.safetensors`` plus ``config.json``
 whose ``quantization_config`` carries the ``sparsity_config`` -- using the
 `compressed-tensors <https://github.com/neuralmagic/compressed-tensors>`_
-package itself for the layout: its ``sparse-24-bitmask`` compressor when every
-sparse Linear weight has the 2:4 pattern (at most 2 non-zeros in every 4
-consecutive input weights), its ``sparse-bitmask`` compressor otherwise.
-Linear layers without sparsity are listed in ``ignore`` and stored dense.
+package itself for the layout, chosen tensor by tensor: its
+``sparse-24-bitmask`` compressor for the ``nn.Linear`` weights that have the
+2:4 pattern (at most 2 non-zeros in every 4 consecutive inputs) when any has
+it, its ``sparse-bitmask`` compressor otherwise (for every linear weight,
+``nn.Linear`` or GPT-2's ``Conv1D``, that a bitmask stores smaller). Every
+other linear layer -- an unpruned one, a tied ``lm_head`` whose embedding has a
+zero padding row, a weight without the folder's pattern -- is listed in
+``ignore`` and stored dense: one such tensor never changes how the others are
+stored. compressed-tensors' 2:4 layout groups each stored row, which is a
+``Conv1D``'s output axis (its weight is ``(in, out)``), so a ``Conv1D`` pruned
+2:4 along its inputs is stored as a bitmask, never re-grouped.
+
+Tied tensors (a language model's ``lm_head`` and its input embedding) are
+stored once, under the name ``transformers`` keeps, as ``save_pretrained``
+does: ``from_pretrained`` ties them again; after compressed-tensors'
+``decompress`` (which replaces each parameter it loads), call
+``model.tie_weights()``.
 
 The weights exported are the model's effective weights
 (``weight_orig * weight_mask`` for pruned tensors, through
@@ -49,7 +62,7 @@ import os
 import stat
 import time
 from collections import OrderedDict
-from typing import IO, Any, Dict, List, Optional, Sequence, Tuple
+from typing import IO, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -61,6 +74,7 @@ from .reader import (
 )
 from .folders import atomic_folder
 from .hf_shards import INDEX_FILE, SINGLE_FILE, read_json_file, weight_map_of
+from .layers import fits_n_m, linear_layers, tied_aliases, tied_keys_of
 from .writer import _TMP_MARK, resolve_target, write_json
 
 __all__ = ["write_compressed_tensors", "read_compressed_tensors", "sparsity_structure_of"]
@@ -88,14 +102,11 @@ def _ct() -> Any:
     return ModelCompressor, BitmaskConfig, Sparse24BitMaskConfig
 
 
-def _is_2_4(w: torch.Tensor) -> bool:
-    if w.dim() != 2 or w.shape[1] % 4:
-        return False
-    return bool(((w.reshape(-1, 4) != 0).sum(dim=1) <= 2).all())
-
-
-def sparsity_structure_of(weights: Dict[str, torch.Tensor]) -> str:
+def sparsity_structure_of(weights: Dict[str, torch.Tensor], in_axes: Optional[Mapping[str, int]] = None) -> str:
     """``"2:4"`` when every weight has the 2:4 pattern along its inputs, else ``"unstructured"``.
+
+    The inputs of a weight run along axis 1 (``nn.Linear``'s ``(out, in)``) unless
+    ``in_axes`` gives another (0 for ``Conv1D``'s ``(in, out)``).
 
     Examples:
         >>> import torch
@@ -103,20 +114,80 @@ def sparsity_structure_of(weights: Dict[str, torch.Tensor]) -> str:
         '2:4'
         >>> sparsity_structure_of({"a": torch.tensor([[1.0, 3.0, 2.0, 0.0]])})
         'unstructured'
+        >>> sparsity_structure_of({"a": torch.tensor([[1.0], [0.0], [2.0], [0.0]])}, in_axes={"a": 0})
+        '2:4'
     """
-    return "2:4" if weights and all(_is_2_4(w) for w in weights.values()) else "unstructured"
+    axes = in_axes or {}
+    return "2:4" if weights and all(fits_n_m(w, axes.get(k, 1)) for k, w in weights.items()) else "unstructured"
 
 
-def _effective_state_dict(model: Any) -> "OrderedDict[str, torch.Tensor]":
+def _effective_state_dict(model: Any) -> Tuple["OrderedDict[str, torch.Tensor]", "OrderedDict[str, str]"]:
+    """The model's effective tensors, each tied tensor once; and the tied names left out -> the name kept."""
     from ..state_dict import dense_state_dict
 
+    dense = dense_state_dict(model)
+    aliases = tied_aliases(dense, tied_keys_of(model))
     out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
-    for k, v in dense_state_dict(model).items():
+    for k, v in dense.items():
+        if k in aliases:
+            continue
         v = v.detach().to("cpu").contiguous()
         if v.is_floating_point():
             v = torch.where(v == 0, torch.zeros((), dtype=v.dtype), v)  # -0.0 -> +0.0: no sign in a bitmask
         out[k] = v.clone()
-    return out
+    return out, aliases
+
+
+def _bitmask_pays(w: torch.Tensor) -> bool:
+    """Whether ``sparse-bitmask`` stores ``w`` in fewer bytes than dense (values, bitmask, row offsets)."""
+    rows, cols = w.shape
+    nnz = int(torch.count_nonzero(w))
+    return nnz * w.element_size() + rows * math.ceil(cols / 8) + rows * 8 < w.numel() * w.element_size()
+
+
+def _choose(model: Any, sd: Dict[str, torch.Tensor], aliases: Dict[str, str], ignore: Sequence[str],
+            structure: Optional[str]) -> Tuple[str, "OrderedDict[str, torch.Tensor]", List[str]]:
+    """The folder's structure, the weights it compresses (layer name -> weight) and the linear layers left dense.
+
+    Per tensor: with ``"2:4"``, the ``nn.Linear`` weights that have the pattern along
+    their inputs (compressed-tensors' 2:4 layout groups a stored row, which is a
+    ``Conv1D``'s output axis); with ``"unstructured"``, every linear weight whose
+    bitmask is smaller than it. Every other linear layer stays dense.
+    """
+    layers = linear_layers(model)
+    unknown = [n for n in ignore if n not in layers]
+    if unknown:
+        names = list(layers)
+        raise ValueError(f"ignore={list(ignore)!r}: {unknown[0]!r} is not a Linear (or Conv1D) module of "
+                         f"{type(model).__name__}; Linear modules: {names[:8]}{' ...' if len(names) > 8 else ''}")
+    sparse = OrderedDict((n, sd[n + ".weight"]) for n in layers
+                         if n not in ignore and n + ".weight" not in aliases and n + ".weight" in sd
+                         and bool((sd[n + ".weight"] == 0).any()))
+    if not sparse:
+        raise ValueError(f"{type(model).__name__} has no Linear (or Conv1D) weight with zeros to export as sparse; "
+                         "prune it first (or save it with format='safetensors')")
+    two_four = OrderedDict((n, w) for n, w in sparse.items() if layers[n] == 1 and fits_n_m(w, 1))
+    if structure is None:
+        structure = "2:4" if two_four else "unstructured"
+    if structure == "2:4":
+        if not two_four:
+            first = next(iter(sparse))
+            along = " (a Conv1D: compressed-tensors' 2:4 layout groups its outputs)" if layers[first] == 0 else ""
+            raise ValueError(f"sparsity_structure='2:4': no Linear weight has the 2:4 pattern (at most 2 non-zeros "
+                             f"in every 4 consecutive inputs); {first!r}{along} does not have the 2:4 pattern; "
+                             "prune with pattern '2:4' or export with sparsity_structure='unstructured'")
+        chosen = two_four
+    else:
+        chosen = OrderedDict((n, w) for n, w in sparse.items() if _bitmask_pays(w))
+        if not chosen:
+            raise ValueError(f"{type(model).__name__}: no Linear (or Conv1D) weight has zeros enough to store smaller "
+                             "as a bitmask; prune it further (or save it with format='safetensors')")
+    dense = [n for n in layers if n not in chosen]
+    left = [n for n in sparse if n not in chosen]
+    if left:
+        logger.info("save_compressed(format='compressed-tensors'): %d weight(s) with zeros stored dense in the %s "
+                    "layout (%s%s)", len(left), structure, ", ".join(left[:4]), " ..." if len(left) > 4 else "")
+    return structure, chosen, dense
 
 
 def write_compressed_tensors(model: Any, path: Any, *, sparsity_structure: Optional[str] = None,
@@ -127,11 +198,13 @@ def write_compressed_tensors(model: Any, path: Any, *, sparsity_structure: Optio
         model: a (pruned) ``torch.nn.Module``, usually a ``transformers`` model; its
             ``config`` is written as ``config.json`` (or pass ``config``).
         path: the folder to write (replaced, complete, if it exists).
-        sparsity_structure: ``"2:4"`` (compressed-tensors' ``sparse-24-bitmask``:
-            every sparse Linear weight must have the pattern) or ``"unstructured"``
-            (``sparse-bitmask``); by default ``"2:4"`` when every sparse Linear
-            weight has it.
-        ignore: names of Linear modules to leave dense, besides those without zeros.
+        sparsity_structure: ``"2:4"`` (compressed-tensors' ``sparse-24-bitmask`` for
+            the ``nn.Linear`` weights that have the pattern along their inputs; at
+            least one must) or ``"unstructured"`` (``sparse-bitmask`` for every
+            linear weight a bitmask stores smaller); by default ``"2:4"`` when any
+            ``nn.Linear`` weight has the pattern. Every other linear layer is stored
+            dense (and listed in ``ignore``).
+        ignore: names of linear modules (``nn.Linear``, ``Conv1D``) to leave dense.
         config: a ``transformers`` config or a dict, when ``model`` has no ``config``.
 
     Examples:
@@ -169,30 +242,20 @@ def write_compressed_tensors(model: Any, path: Any, *, sparsity_structure: Optio
         from ..reparam import base_class
 
         cfg_dict["architectures"] = [base_class(model).__name__]
-    sd = _effective_state_dict(model)
-    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    unknown = [n for n in ignore if n not in linears]
-    if unknown:
-        raise ValueError(f"ignore={list(ignore)!r}: {unknown[0]!r} is not a Linear module of "
-                         f"{type(model).__name__}; Linear modules: {linears[:8]}{' ...' if len(linears) > 8 else ''}")
-    sparse = {n: sd[n + ".weight"] for n in linears
-              if n not in ignore and n + ".weight" in sd and bool((sd[n + ".weight"] == 0).any())}
-    if not sparse:
-        raise ValueError(f"{type(model).__name__} has no Linear weight with zeros to export as sparse; prune it "
-                         "first (or save it with format='safetensors')")
-    structure = sparsity_structure or sparsity_structure_of(sparse)
-    if structure == "2:4":
-        bad = [n for n, w in sparse.items() if not _is_2_4(w)]
-        if bad:
-            raise ValueError(f"sparsity_structure='2:4': Linear {bad[0]!r} (and {len(bad) - 1} more) does not have "
-                             "the 2:4 pattern (at most 2 non-zeros in every 4 consecutive inputs); prune with "
-                             "pattern '2:4' or export with sparsity_structure='unstructured'")
-    zeros = sum(int((w == 0).sum()) for w in sparse.values())
-    total = sum(w.numel() for w in sparse.values())
-    skipped = [n for n in linears if n not in sparse]
+    sd, aliases = _effective_state_dict(model)
+    untied = [k for k in tied_keys_of(model) if k in sd]  # pruned apart from its source: no longer tied
+    if untied and cfg_dict.get("tie_word_embeddings"):
+        cfg_dict["tie_word_embeddings"] = False  # else from_pretrained would tie the pruned head back
+        logger.warning("save_compressed(format='compressed-tensors'): %s no longer equals the weight it is tied "
+                       "to (it was pruned on its own); config.json says tie_word_embeddings=false", untied[0])
+    structure, chosen, dense = _choose(model, sd, aliases, ignore, sparsity_structure)
+    zeros = sum(int((w == 0).sum()) for w in chosen.values())
+    total = sum(w.numel() for w in chosen.values())
+    axes = linear_layers(model)
+    targets = [cls for cls, axis in (("Linear", 1), ("Conv1D", 0)) if any(axes[n] == axis for n in chosen)]
     conf_cls = Sparse24BitMaskConfig if structure == "2:4" else BitmaskConfig
-    sparsity_config = conf_cls(global_sparsity=zeros / total, sparsity_structure=structure, targets=["Linear"],
-                               ignore=skipped)
+    sparsity_config = conf_cls(global_sparsity=zeros / total, sparsity_structure=structure, targets=targets,
+                               ignore=dense)
     compressor = ModelCompressor(sparsity_config=sparsity_config)
     compressed = compressor.compress(model, state_dict=sd)
     from safetensors.torch import save_file
@@ -203,8 +266,9 @@ def write_compressed_tensors(model: Any, path: Any, *, sparsity_structure: Optio
         save_file({k: v.contiguous() for k, v in compressed.items()}, os.path.join(tmp, "model.safetensors"),
                   metadata={"format": "pt"})
     out = sparsity_config.model_dump()
-    logger.info("save_compressed(format='compressed-tensors'): wrote %s (%s, %d sparse Linear, %.1f%% zeros)",
-                os.fspath(path), out["format"], len(sparse), 100 * zeros / total)
+    logger.info("save_compressed(format='compressed-tensors'): wrote %s (%s, %d sparse weights, %.1f%% zeros%s)",
+                os.fspath(path), out["format"], len(chosen), 100 * zeros / total,
+                f"; tied, stored once: {dict(aliases)}" if aliases else "")
     return out
 
 
@@ -334,8 +398,11 @@ def _int_list(t: torch.Tensor, where: str, what: str) -> List[int]:
 
 
 def _check_layer(fmt: str, prefix: str, parts: Dict[str, torch.Tensor], plain: Dict[str, torch.Tensor],
-                 where: str) -> List[int]:
-    """Check one compressed weight's parts against each other, before anything is allocated; its dense shape."""
+                 where: str, conv1d: bool = False) -> List[int]:
+    """Check one compressed weight's parts against each other, before anything is allocated; its dense shape.
+
+    ``conv1d``: the folder compresses ``Conv1D`` weights (``(in, out)``), whose bias has ``out`` = columns values.
+    """
     at = f"{where}: compressed weight {prefix + '.weight'!r}"
     expected = _PARTS[fmt]
     if set(parts) != set(expected):
@@ -374,7 +441,7 @@ def _check_layer(fmt: str, prefix: str, parts: Dict[str, torch.Tensor], plain: D
             raise UnreadableFileError(f"{at}: 2:4 values of a [{rows}, {cols}] weight are [{rows}, {cols // 2}], "
                                       f"the file stores {list(values.shape)}")
     bias = plain.get(prefix + ".bias")
-    if bias is not None and list(bias.shape) != [rows]:
+    if bias is not None and list(bias.shape) != [rows] and not (conv1d and list(bias.shape) == [cols]):
         raise UnreadableFileError(f"{at}: shape [{rows}, {cols}] does not fit its bias of {list(bias.shape)}")
     return [rows, cols]
 
@@ -446,6 +513,8 @@ def read_compressed_tensors(path: Any, **_options: Any) -> "OrderedDict[str, tor
         return plain
     where = folder
     parts_of = _PARTS[fmt]
+    targets = cfg["quantization_config"]["sparsity_config"].get("targets")
+    conv1d = isinstance(targets, list) and "Conv1D" in targets
     layers: Dict[str, Dict[str, torch.Tensor]] = {}
     for k in plain:
         prefix, _, leaf = k.rpartition(".")
@@ -457,7 +526,7 @@ def read_compressed_tensors(path: Any, **_options: Any) -> "OrderedDict[str, tor
     for prefix, parts in layers.items():
         if prefix + ".weight" in plain:
             raise UnreadableFileError(f"{where}: {prefix + '.weight'!r} is stored both dense and compressed")
-        _check_layer(fmt, prefix, parts, plain, where)
+        _check_layer(fmt, prefix, parts, plain, where, conv1d=conv1d)
     try:
         compressor = ModelCompressor.from_compression_config(cfg["quantization_config"])
         sparse = getattr(compressor, "sparsity_compressor", None)

@@ -4,7 +4,10 @@ A pruned tensor is mostly zeros. :func:`save_compressed` stores each such
 tensor as a packed bitmask (one bit per element: zero or not) plus its
 non-zero values; a tensor whose non-zero elements are all exactly one (a
 pruning mask) is stored as the bitmask alone; every other tensor stays dense.
-Whichever encoding is smallest wins, tensor by tensor.
+Whichever encoding is smallest wins, tensor by tensor. Tied tensors (entries
+that are the very same tensor, such as a language model's ``lm_head.weight``
+and its input embedding) are stored once; the other names are aliases in the
+index, and :func:`load_compressed` gives them the same tensor again.
 
 The container is a `safetensors <https://github.com/huggingface/safetensors>`_
 file written by the ``safetensors`` package: no pickle. Its metadata holds an

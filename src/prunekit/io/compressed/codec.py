@@ -265,9 +265,10 @@ def _metadata(index: List[Dict[str, Any]], secret: Optional[bytes]) -> Dict[str,
 class _Plan:
     """One validated index entry: what to read (stored key -> expected tag and shape) and how to rebuild."""
 
-    __slots__ = ("name", "dtype", "shape", "numel", "encoding", "storage", "nnz", "neg_zeros", "sha256", "parts")
+    __slots__ = ("name", "dtype", "shape", "numel", "encoding", "storage", "nnz", "neg_zeros", "sha256", "parts", "of")
 
     def __init__(self, **kw: Any) -> None:
+        self.of = None  # the entry an alias (a tied tensor) is
         for k, v in kw.items():
             setattr(self, k, v)
 

@@ -75,6 +75,7 @@ _ENTRY_KEYS = {
     "dense": ({"name", "dtype", "shape", "sha256", "encoding", "storage"}, set()),
     "binary": ({"name", "dtype", "shape", "sha256", "encoding", "nnz"}, set()),
     "sparse": ({"name", "dtype", "shape", "sha256", "encoding", "nnz", "storage"}, {"neg_zeros"}),
+    "alias": ({"name", "encoding", "of"}, set()),  # a tied tensor: the very tensor of entry "of"
 }
 _MAX_DIMS = 64
 _HEX = frozenset("0123456789abcdef")
@@ -113,6 +114,11 @@ def _plan_entry(entry: Any, path: str, position: int) -> _Plan:
     if not required <= keys or not keys <= required | optional:
         raise _damaged(f"{where}: index entry has keys {sorted(keys)}, expected {sorted(required)}"
                        + (f" (optionally {sorted(optional)})" if optional else ""))
+    if encoding == "alias":
+        if not isinstance(entry["of"], str) or entry["of"] == name:
+            raise _damaged(f"{where}: an alias of {entry['of']!r}; it must name another tensor of the index")
+        return _Plan(name=name, dtype=None, shape=None, numel=0, encoding=encoding, storage=None, nnz=None,
+                     neg_zeros=None, sha256=None, parts={}, of=entry["of"])
     dtype = _dtype_from_name(entry["dtype"], where)
     shape = entry["shape"]
     if (not isinstance(shape, list) or len(shape) > _MAX_DIMS
@@ -173,6 +179,11 @@ def _plan(index_json: str, header: SafetensorsHeader, path: str) -> List[_Plan]:
                 raise _damaged(f"{path}: stored entry {key!r} is claimed by two index entries")
             expected[key] = form
         plans.append(plan)
+    kinds = {p.name: p.encoding for p in plans}
+    for p in plans:
+        if p.encoding == "alias" and kinds.get(p.of) in (None, "alias"):
+            raise _damaged(f"{path}: tensor {p.name!r} is an alias of {p.of!r}, which the index "
+                           + ("does not list" if p.of not in kinds else "lists as an alias too"))
     stored = header.tensors
     missing = [k for k in expected if k not in stored]
     if missing:
@@ -268,7 +279,8 @@ def load_compressed(
             raise _damaged(f"{e} (not a readable safetensors file)") from None
         out = _load_from(f, header, path, secret)
     if torch.device(device).type != "cpu":
-        out = OrderedDict((k, v.to(device)) for k, v in out.items())
+        moved: Dict[int, torch.Tensor] = {}  # tied tensors stay one tensor
+        out = OrderedDict((k, moved.setdefault(id(v), v.to(device))) for k, v in out.items())
     logger.info("load_compressed: read %d tensors from %s", len(out), path)
     return out
 
@@ -309,7 +321,6 @@ def _load_from(f: IO[bytes], header: SafetensorsHeader, path: str,
     def get(key: str) -> torch.Tensor:
         return _read_stored(f, header, key)
 
-    out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
-    for plan in plans:
-        out[plan.name] = _decode(plan, get, path)
-    return out
+    decoded = {plan.name: _decode(plan, get, path) for plan in plans if plan.encoding != "alias"}
+    # a tied tensor is the very tensor it is tied to, as in the model's state dict
+    return OrderedDict((p.name, decoded[p.of if p.encoding == "alias" else p.name]) for p in plans)

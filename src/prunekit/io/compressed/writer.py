@@ -23,6 +23,7 @@ import torch
 
 from ... import _sharded, reparam
 from ..._backend import require_torch
+from ..layers import tied_aliases, tied_keys_of
 from ..writer import PathLike, atomic_path, atomic_write, unnamed_file
 from .codec import _RESERVED, _TAG_OF, _TAGS, _encode, _key_bytes, _metadata
 
@@ -129,7 +130,11 @@ def write_compressed(
     :func:`prunekit.save_compressed` calls it for the default format.
 
     Sparse tensors are stored as a packed bitmask plus their non-zero values,
-    pruning masks as a bitmask alone, everything else dense. The round trip
+    pruning masks as a bitmask alone, everything else dense. Tied tensors
+    (entries that are the very same tensor, such as a language model's
+    ``lm_head.weight`` and its input embedding) are stored once, under the
+    name ``transformers`` keeps, the other names recorded as aliases: loaded,
+    they are one tensor again. The round trip
     through :func:`load_compressed` is bit-exact. The file is written by
     prunekit's atomic writer (:mod:`prunekit.io.writer`): a failed save never
     leaves a half-written checkpoint or a temporary file, a new file gets the
@@ -180,9 +185,13 @@ def write_compressed(
         )
     if drop_masked_values:
         sd = drop_masked(sd)
+    aliases = tied_aliases(sd, tied_keys_of(model_or_state_dict))
     index: List[Dict[str, Any]] = []
     tensors: Dict[str, torch.Tensor] = {}
     for name, t in sd.items():
+        if name in aliases:  # a tied tensor: stored once, under the name kept; load_compressed ties it again
+            index.append({"name": name, "encoding": "alias", "of": aliases[name]})
+            continue
         entry, stored = _encode(name, t, native, keep_zero_sign)
         clash = set(stored) & set(tensors)
         if clash:
@@ -267,6 +276,30 @@ class CompressedWriter:
             self._layout[key] = (t.element_size(), _TAG_OF[t.dtype], list(t.shape), spool[1], spool[1] + n)
             spool[1] += n
         self._index.append(entry)
+
+    def alias(self, name: str, of: str) -> None:
+        """Record ``name`` as tied to the tensor already added as ``of``: nothing stored, one tensor on load.
+
+        Examples:
+            >>> import os, tempfile, torch
+            >>> from prunekit.io.compressed import load_compressed
+            >>> path = os.path.join(tempfile.mkdtemp(), "tied.safetensors")
+            >>> with CompressedWriter(path) as out:
+            ...     out.add("emb.weight", torch.ones(4, 2))
+            ...     out.alias("head.weight", "emb.weight")
+            >>> sd = load_compressed(path)
+            >>> sd["head.weight"] is sd["emb.weight"]
+            True
+        """
+        if self._closed:
+            raise ValueError(f"CompressedWriter({self.path!r}) is closed; open a new one")
+        if not isinstance(name, str) or name.endswith(_RESERVED) or any(e["name"] == name for e in self._index):
+            raise ValueError(f"CompressedWriter.alias({name!r}, {of!r}): {name!r} is already added or not a name "
+                             "prunekit can store; give each tensor one name")
+        if not any(e["name"] == of and e["encoding"] != "alias" for e in self._index):
+            raise ValueError(f"CompressedWriter.alias({name!r}, {of!r}): add {of!r} first (with add()); an alias "
+                             "names a tensor stored in the file")
+        self._index.append({"name": name, "encoding": "alias", "of": of})
 
     def close(self) -> None:
         """Write the file (atomically) and remove the spools."""
