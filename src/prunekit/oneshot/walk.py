@@ -33,7 +33,8 @@ from torch import Tensor, nn
 from .. import reparam
 from ..importance import ActivationStats
 from ..methods import custom_from_mask
-from .blocks import BlockInput, block_output, capture_block_inputs, on_device, run_block
+from .blocks import (BlockInput, Chain, block_output, capture_block_inputs, find_chain, on_device, run_block,
+                     stack_starts)
 from .experts import Routes
 from .inputs import input_taps, token_rows
 from .layers import Target
@@ -118,13 +119,20 @@ def walk_blocks(model: nn.Module, block_list: Blocks, layers: List[Target], batc
             if w.progress is not None:
                 w.progress(bi + 1, len(block_list), bname)
         return
-    inputs = capture_block_inputs(model, block_list[0][1], w.par.share(batches), w.device)
+    share = w.par.share(batches)
+    starts = stack_starts(block_list)
+    inputs = capture_block_inputs(model, block_list[0][1], share, w.device)
     w.report.samples = w.par.sum_int(sum(int(i.hidden.shape[0]) for i in inputs))
     w.report.tokens = w.par.sum_int(sum(int(i.token_mask.sum()) if i.token_mask is not None
                                         else int(i.hidden[..., 0].numel()) for i in inputs))
     paired = w.method.startswith("prunekit") and w.opts["correct_error"]
     dense_inputs = inputs if paired else None
+    chain: Optional[Chain] = None
     for bi, (bname, block) in enumerate(block_list):
+        if bi in starts:
+            if bi:
+                inputs, dense_inputs = _restart(model, block_list, bi, share, dense_inputs, w)
+            chain = _chain_of(model, block_list, bi, starts, share)
         mine = by_block.get(bi, [])
         w.cycle.enter(bi, bname, block, mine)
         with on_device(block, w.device):
@@ -135,10 +143,10 @@ def walk_blocks(model: nn.Module, block_list: Blocks, layers: List[Target], batc
                 else:
                     _prune_block_faithful(block, mine, inputs, w)
             if paired:
-                dense_next = run_block(dense_block if dense_block is not None else block, dense_inputs)
+                dense_next = run_block(dense_block if dense_block is not None else block, dense_inputs, chain=chain)
                 if mine and w.opts.get("tune_epochs"):
                     _tune_block(block, mine, inputs, dense_next, w.opts["tune_epochs"], w.opts["tune_lr"])
-            outputs = run_block(block, inputs)
+            outputs = run_block(block, inputs, chain=chain)
             if paired:
                 dense_inputs = dense_next
             del dense_block
@@ -147,6 +155,32 @@ def walk_blocks(model: nn.Module, block_list: Blocks, layers: List[Target], batc
         inputs = outputs
         if w.progress is not None:
             w.progress(bi + 1, len(block_list), bname)
+
+
+def _restart(model: nn.Module, block_list: Blocks, bi: int, share: List[Any],
+             dense_inputs: Optional[List[BlockInput]], w: Walk) -> Tuple[List[BlockInput], Optional[List[BlockInput]]]:
+    """The inputs of block ``bi``, the first of a new stack (an encoder-decoder's decoder), from the model with
+    the blocks before it pruned; the dense stream's with the last block before it returning the dense states."""
+    decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    key = "decoder_attention_mask" if decoder else "attention_mask"
+    block = block_list[bi][1]
+    inputs = capture_block_inputs(model, block, share, w.device, mask_key=key)
+    if dense_inputs is None:
+        return inputs, None
+    dense = capture_block_inputs(model, block, share, w.device, mask_key=key,
+                                 replace=(block_list[bi - 1][1], [d.hidden for d in dense_inputs]))
+    return inputs, dense
+
+
+def _chain_of(model: nn.Module, block_list: Blocks, bi: int, starts: List[int], share: List[Any]) -> Optional[Chain]:
+    """What the model hands from block to block in the stack beginning at ``bi`` (:func:`find_chain`, on the
+    first batch); ``None`` for a stack of one block or blocks not in memory (only the hidden states then)."""
+    if bi + 1 >= len(block_list) or (bi + 1) in starts or not share:
+        return None
+    pair = [block_list[bi][1], block_list[bi + 1][1]]
+    if any(p.device.type == "meta" for b in pair for p in b.parameters()):
+        return None
+    return find_chain(model, pair[0], pair[1], share[0])
 
 
 def write(t: Target, keep: Tensor, new: Optional[Tensor], bake: bool = False) -> None:
