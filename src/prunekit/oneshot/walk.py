@@ -206,11 +206,9 @@ def write(t: Target, keep: Tensor, new: Optional[Tensor], bake: bool = False) ->
     else:
         custom_from_mask(t.module, t.tensor, mask)
         p = t.param
-    with torch.no_grad():
-        if new is not None:
+    if new is not None:
+        with torch.no_grad():
             p.copy_(reparam.masked(t.stored(new).to(device=p.device, dtype=p.dtype), mask))
-        elif t.expert is not None:
-            reparam.masked(p, mask, inplace=True)
 
 
 # ------------------------------------------------------------------ statistics
