@@ -104,7 +104,23 @@ def _linear(x: Tensor, w: Tensor, b: Optional[Tensor], transposed: bool) -> Tens
 
 def eager_experts(m: nn.Module, lay: ExpertsLayout, hidden: Tensor, index: Tensor, weights: Tensor,
                   tap: Optional[Tap] = None) -> Tensor:
-    """The experts' output computed one expert at a time (``tap`` called before each slice is applied)."""
+    """The experts' output computed one expert at a time (``tap`` called before each slice is applied).
+
+    Examples:
+        >>> import torch
+        >>> class Experts(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.num_experts, self.has_gate, self.is_transposed = 2, False, False
+        ...         self.up_proj = torch.nn.Parameter(torch.ones(2, 3, 4))
+        ...         self.down_proj = torch.nn.Parameter(torch.ones(2, 4, 3))
+        ...         self.act_fn = torch.nn.Identity()
+        ...     def forward(self, hidden, top_k_index, top_k_weights):
+        ...         return eager_experts(self, experts_layout(self), hidden, top_k_index, top_k_weights)
+        >>> m, x = Experts(), torch.ones(2, 4)
+        >>> eager_experts(m, experts_layout(m), x, torch.tensor([[0], [1]]), torch.ones(2, 1)).tolist()
+        [[12.0, 12.0, 12.0, 12.0], [12.0, 12.0, 12.0, 12.0]]
+    """
     out = torch.zeros_like(hidden)
     up, down = _value(m, lay.up), _value(m, "down_proj")
     up_b = _value(m, lay.up + "_bias") if lay.bias else None
@@ -152,7 +168,26 @@ def tapped(modules: Dict[str, Tuple[nn.Module, Tap]], record: Optional[Routes] =
     """For the ``with`` body, each experts module of ``modules`` (name -> (module, tap)) runs
     :func:`eager_experts` with its tap; ``record`` keeps each module's routing, ``replay`` uses the
     routing recorded under the module's name instead of its own. Every forward is put back however
-    the body ends."""
+    the body ends.
+
+    Examples:
+        >>> import torch
+        >>> class Experts(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.num_experts, self.has_gate, self.is_transposed = 2, False, False
+        ...         self.up_proj = torch.nn.Parameter(torch.ones(2, 3, 4))
+        ...         self.down_proj = torch.nn.Parameter(torch.ones(2, 4, 3))
+        ...         self.act_fn = torch.nn.Identity()
+        ...     def forward(self, hidden, top_k_index, top_k_weights):
+        ...         return eager_experts(self, experts_layout(self), hidden, top_k_index, top_k_weights)
+        >>> m, x = Experts(), torch.ones(2, 4)
+        >>> seen = []
+        >>> with tapped({"experts": (m, lambda name, e, rows, tokens: seen.append((name, e, tokens.tolist())))}):
+        ...     _ = m(x, torch.tensor([[1], [1]]), torch.ones(2, 1))
+        >>> seen, "forward" in m.__dict__
+        ([('up_proj', 1, [0, 1]), ('down_proj', 1, [0, 1])], False)
+    """
     installed = []
     try:
         for name, (m, tap) in modules.items():
