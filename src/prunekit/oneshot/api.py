@@ -42,7 +42,7 @@ from .. import reparam
 from ..reparam._internal import after_restore
 from ..transaction import Transaction, run_then_clean
 from .blocks import find_blocks
-from .layers import Patterns, Target, find_targets
+from .layers import Patterns, Target, find_targets, left_dense
 from .parallel import parallel_for
 from .report import OneshotReport
 from .solvers import NM
@@ -127,7 +127,7 @@ def oneshot(
     method: str = "prunekit", targets: Patterns = None, ignore: Patterns = None, tokenizer: Any = None,
     blocks: Any = None, device: Any = None, batch_size: int = 16, max_length: int = 128,
     options: Optional[Dict[str, Any]] = None, progress: Optional[Callable[[int, int, str], None]] = None,
-    masks: str = "keep", scratch_dir: Any = None, group: Any = None,
+    masks: str = "keep", scratch_dir: Any = None, group: Any = None, routers: bool = False,
 ) -> OneshotReport:
     """Prune ``model``'s linear layers in one shot from ``calibration`` data, block by block.
 
@@ -141,8 +141,15 @@ def oneshot(
             input weights, PyTorch's convention).
         method: one of :data:`METHODS` (see the module docstring).
         targets: regular expressions over qualified layer names (or layer class names) to prune
-            (``ignore``: to leave out); by default every ``nn.Linear`` (and GPT-2 ``Conv1D``) in the blocks.
-        blocks: override the block search (a class name or a list of module names).
+            (``ignore``: to leave out); by default every ``nn.Linear`` (and GPT-2 ``Conv1D``) in the blocks,
+            and every expert of a mixture-of-experts module with 3-D parameters (``transformers`` 5):
+            each expert's slice, named ``<experts module>.<parameter>.<expert>`` (e.g.
+            ``model.layers.0.mlp.experts.gate_up_proj.3``), is a layer of its own, its statistics
+            from the calibration tokens routed to that expert only (a slice no token reached is
+            pruned by magnitude).
+        blocks: override the block search (a class name or a list of module names). An
+            encoder-decoder model's default is both stacks: the encoder's blocks, then the decoder's
+            (fed with the pruned encoder's output).
         device: the working device; each block (and its activations) moves there for its turn
             and back (offloading). ``None``: where the model is.
         options: method options (``damp``, ``block_size``; for ``"prunekit"`` those of
@@ -162,6 +169,8 @@ def oneshot(
             each runs its share of the batches, statistics are summed on one rank per input and
             each layer is solved on one rank, then sent to all (:mod:`prunekit.oneshot.parallel`).
             The masks and weights are those of one process.
+        routers: also prune the mixture-of-experts routers (and gates of shared experts); by default
+            they are left dense, and the report's ``dense`` lists them.
 
     Returns a :class:`~prunekit.oneshot.OneshotReport`. On any error (``KeyboardInterrupt``
     included) the model is left exactly as it was: the block in flight and every finished block
@@ -190,7 +199,7 @@ def oneshot(
     t_start = time.perf_counter()
     plan = plan_walk(model, calibration, sparsity=sparsity, pattern=pattern, method=method, targets=targets,
                      ignore=ignore, tokenizer=tokenizer, blocks=blocks, device=device, batch_size=batch_size,
-                     max_length=max_length, options=options, progress=progress, group=group)
+                     max_length=max_length, options=options, progress=progress, group=group, routers=routers)
     walk = plan.walk
     spool = OriginalsSpool(scratch_dir) if (masks == "bake" or method not in ("magnitude", "wanda")) else None
     txn = Transaction(after_restore)
@@ -222,7 +231,8 @@ class Plan:
 
 def plan_walk(model: nn.Module, calibration: Iterable[Any], *, sparsity: float, pattern: str, method: str,
               targets: Patterns, ignore: Patterns, tokenizer: Any, blocks: Any, device: Any, batch_size: int,
-              max_length: int, options: Optional[Dict[str, Any]], progress: Any, group: Any) -> Plan:
+              max_length: int, options: Optional[Dict[str, Any]], progress: Any, group: Any,
+              routers: bool = False) -> Plan:
     """Check the arguments of :func:`oneshot` (every refusal before anything changes) and plan its walk
     (with a :class:`BlockCycle` that does nothing: the caller sets its own)."""
     nm = parse_pattern(pattern)
@@ -232,7 +242,7 @@ def plan_walk(model: nn.Module, calibration: Iterable[Any], *, sparsity: float, 
     if par.world > 1 and opts.get("tune_epochs"):
         raise ValueError("options tune_epochs > 0 cannot run with group=...: the ranks' gradients would be summed in "
                          "another order than one process sums them; tune in one process, or set tune_epochs=0")
-    block_list, layers = _layers_to_prune(model, blocks, targets, ignore, nm, pattern)
+    block_list, layers = _layers_to_prune(model, blocks, targets, ignore, nm, pattern, routers)
     batches = [] if method == "magnitude" else _prepare_calibration(calibration, tokenizer, batch_size, max_length)
     if method != "magnitude" and not batches:
         raise ValueError(f"method={method!r} needs calibration data: got no batch")
@@ -240,7 +250,7 @@ def plan_walk(model: nn.Module, calibration: Iterable[Any], *, sparsity: float, 
         raise ValueError(f"{len(batches)} calibration batches for {par.world} ranks: every rank needs at least one "
                          "(use a smaller batch_size or more samples)")
     report = OneshotReport(method, pattern if nm is None else f"{nm[0]}:{nm[1]}", sparsity,
-                           blocks=len(block_list), options=dict(opts))
+                           blocks=len(block_list), options=dict(opts), dense=left_dense(block_list, layers))
     walk = Walk(method, sparsity, nm, opts, device, report, par, BlockCycle(), len(batches), progress)
     return Plan(walk, block_list, layers, batches)
 
@@ -256,36 +266,51 @@ class InMemoryCycle(BlockCycle):
         for t in mine:
             self.txn.module(t.module)
         if self.spool is not None and mine:
-            self.txn.add(self.spool.keep({t.name: t.param for t in mine}))
+            # one entry per parameter: the experts' slices of a 3-D parameter share it
+            self.txn.add(self.spool.keep({t.key: t.param for t in mine}))
 
     def leave(self, index: int, name: str, block: nn.Module, mine: List[Target]) -> None:
         if self.bake:
             for t in mine:
-                if reparam.is_pruned(t.module):
-                    reparam.remove(t.module, "weight")
+                if reparam.is_masked(t.module, t.tensor):
+                    reparam.remove(t.module, t.tensor)
 
 
 def run_walk(model: nn.Module, block_list: List[Tuple[str, nn.Module]], layers: List[Target], batches: List[Any],
              walk: Walk) -> None:
-    """:func:`~prunekit.oneshot.walk.walk_blocks` with the model in eval mode and without a KV cache; both
+    """:func:`~prunekit.oneshot.walk.walk_blocks` with the model in eval mode and without a KV cache (``use_cache``
+    off in every config the model and its submodules hold, an encoder-decoder's decoder copy included); both
     are put back however the walk ends."""
     modes = [(m, m.training) for m in model.modules()]
-    config = getattr(model, "config", None)
-    use_cache = getattr(config, "use_cache", None)
+    caching = [c for c in _configs(model) if getattr(c, "use_cache", None)]
 
     def body() -> None:
         model.eval()
-        if use_cache:
-            config.use_cache = False
+        for c in caching:
+            c.use_cache = False
         walk_blocks(model, block_list, layers, batches, walk)
 
     def cleanup() -> None:
         for m, training in modes:
             m.training = training
-        if use_cache:
-            config.use_cache = use_cache
+        for c in caching:
+            c.use_cache = True
 
     run_then_clean(body, cleanup)
+
+
+def _configs(model: nn.Module) -> List[Any]:
+    """Every configuration object of ``model``: the ``config`` of each module and the configs nested in them
+    (``text_config``, ``decoder``, ...), each once."""
+    out: Dict[int, Any] = {}
+    todo = [getattr(m, "config", None) for m in model.modules()]
+    while todo:
+        c = todo.pop()
+        if c is None or id(c) in out or not hasattr(c, "to_dict") or isinstance(c, (dict, nn.Module)):
+            continue
+        out[id(c)] = c
+        todo.extend(v for v in vars(c).values() if hasattr(v, "to_dict") and hasattr(v, "use_cache"))
+    return list(out.values())
 
 
 def _method_options(method: str, options: Optional[Dict[str, Any]], **counts: Any) -> Dict[str, Any]:
@@ -305,17 +330,17 @@ def _method_options(method: str, options: Optional[Dict[str, Any]], **counts: An
 
 
 def _layers_to_prune(model: nn.Module, blocks: Any, targets: Patterns, ignore: Patterns, nm: NM,
-                     pattern: str) -> Tuple[List[Tuple[str, nn.Module]], List[Target]]:
+                     pattern: str, routers: bool = False) -> Tuple[List[Tuple[str, nn.Module]], List[Target]]:
     """The model's blocks and the layers in them to prune; refuses none, a pruned one, or one ``nm`` cannot cut."""
     block_list = find_blocks(model, blocks)
-    layers = find_targets(block_list, targets, ignore)
+    layers = find_targets(block_list, targets, ignore, routers=routers)
     if not layers:
         raise ValueError(f"no layer to prune: no linear layer inside the {len(block_list)} blocks of "
                          f"{type(model).__name__} matches targets={targets!r} and not ignore={ignore!r}")
     for t in layers:
         if reparam.is_pruned(t.module):
-            raise ValueError(f"layer {t.name!r} is already pruned (it has weight_orig/weight_mask); call "
-                             "prunekit.remove(module, 'weight') first, or leave it out with ignore=")
+            raise ValueError(f"layer {t.name!r} is already pruned (it has {t.tensor}_orig/{t.tensor}_mask); call "
+                             f"prunekit.remove(module, {t.tensor!r}) first, or leave it out with ignore=")
         if nm is not None and t.in_features % nm[1]:
             raise ValueError(f"layer {t.name!r}: pattern {pattern!r} needs in_features divisible by {nm[1]}, got "
                              f"{t.in_features}; leave it out with ignore=")

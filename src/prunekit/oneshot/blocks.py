@@ -10,7 +10,11 @@ pruning and anything else that processes a model one block at a time:
   far as the first block and keep that block's inputs (positional and keyword
   arguments per batch);
 * :func:`run_block` -- run one block on captured inputs, giving the next
-  block's inputs;
+  block's inputs (with a :class:`Chain`, found by :func:`find_chain`, the
+  arguments the model hands from one block to the next besides the hidden
+  states, such as T5's position biases);
+* :func:`stack_starts` -- where a new stack of blocks begins (an
+  encoder-decoder's decoder): its inputs are captured again from the model;
 * :func:`on_device` -- a block moved to the working device for the time of a
   ``with``, and back (offloading: the model stays where it is; one block at a
   time is on the working device).
@@ -52,7 +56,10 @@ from torch import Tensor, nn
 __all__ = [
     "KNOWN_BLOCKS",
     "BlockInput",
+    "Chain",
     "find_blocks",
+    "find_chain",
+    "stack_starts",
     "capture_block_inputs",
     "run_block",
     "call_model",
@@ -86,6 +93,20 @@ class BlockInput:
         if self.args:
             return self.args[0]
         return self.kwargs["hidden_states"]
+
+    def chained(self, out: Any, chain: Optional["Chain"]) -> "BlockInput":
+        """The same call with what the previous block returned (``out``) where ``chain`` puts it (without a
+        chain: the hidden states only)."""
+        if chain is None:
+            return self.with_hidden(block_output(out))
+        items = list(out) if isinstance(out, (tuple, list)) else [out]
+        args = list(self.args)
+        for k, j in chain.args.items():
+            args[k] = items[j]
+        kwargs = dict(self.kwargs)
+        for key, j in chain.kwargs.items():
+            kwargs[key] = items[j]
+        return BlockInput(tuple(args), kwargs, self.token_mask)
 
     def with_hidden(self, hidden: Tensor) -> "BlockInput":
         """The same call with other hidden states (the previous block's output)."""
@@ -133,7 +154,9 @@ def find_blocks(model: nn.Module, blocks: Optional[Any] = None) -> List[Tuple[st
 
     By default: the largest ``nn.ModuleList`` (by parameters) whose children
     all share one class and hold ``Linear`` layers; failing that, the
-    outermost modules of a class named in :data:`KNOWN_BLOCKS`. ``blocks``
+    outermost modules of a class named in :data:`KNOWN_BLOCKS`. An
+    encoder-decoder (``config.is_encoder_decoder`` with ``get_encoder``/``get_decoder``):
+    the encoder's blocks, then the decoder's. ``blocks``
     overrides the search: a class name, a class, or a list of module names.
 
     Examples:
@@ -157,6 +180,10 @@ def find_blocks(model: nn.Module, blocks: Optional[Any] = None) -> List[Tuple[st
                 raise ValueError(f"blocks: {type(model).__name__} has no module named {n!r}")
             out.append((n, named[n]))
         return out
+    stacks = _encoder_decoder(model)
+    if stacks:
+        names = {id(m): n for n, m in named.items()}
+        return [(f"{names[id(stack)]}.{n}", b) for stack in stacks for n, b in find_blocks(stack)]
     best: Optional[Tuple[int, str, nn.ModuleList]] = None
     for name, m in named.items():
         if isinstance(m, nn.ModuleList) and len(m) > 0:
@@ -177,6 +204,90 @@ def find_blocks(model: nn.Module, blocks: Optional[Any] = None) -> List[Tuple[st
         f"layers and no module of a known block class ({', '.join(KNOWN_BLOCKS)}); pass blocks=<class name or "
         "list of module names>"
     )
+
+
+def _encoder_decoder(model: nn.Module) -> List[nn.Module]:
+    """``[encoder, decoder]`` of an encoder-decoder model, else ``[]``."""
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return []
+    try:
+        stacks = [model.get_encoder(), model.get_decoder()]  # type: ignore[operator]
+    except (AttributeError, TypeError, NotImplementedError):
+        return []
+    mods = {id(m) for m in model.modules()}
+    if not all(isinstance(s, nn.Module) and id(s) in mods and s is not model for s in stacks) or stacks[0] is stacks[1]:
+        return []
+    return stacks
+
+
+def stack_starts(block_list: Sequence[Tuple[str, nn.Module]]) -> List[int]:
+    """The indices of the blocks that begin a stack: the first, and each whose container differs from the
+    previous block's (an encoder-decoder's first decoder block). A stack's first block gets its inputs from
+    the model, the others from the block before.
+
+    Examples:
+        >>> from torch import nn
+        >>> stack_starts([("encoder.block.0", nn.Identity()), ("encoder.block.1", nn.Identity()),
+        ...               ("decoder.block.0", nn.Identity())])
+        [0, 2]
+    """
+    parents = [n.rsplit(".", 1)[0] if "." in n else "" for n, _ in block_list]
+    return [i for i in range(len(parents)) if i == 0 or parents[i] != parents[i - 1]]
+
+
+@dataclass
+class Chain:
+    """What the model hands the next block from a block's output: positional argument ``k`` (``args``)
+    or keyword ``key`` (``kwargs``) <- item ``j`` of the output (``0`` for a bare tensor)."""
+
+    args: Dict[int, int] = field(default_factory=dict)
+    kwargs: Dict[str, int] = field(default_factory=dict)
+
+
+def find_chain(model: nn.Module, first: nn.Module, second: nn.Module, batch: Any) -> Optional[Chain]:
+    """Run ``model`` on ``batch`` up to ``second`` and find which of its arguments are (the very objects)
+    in ``first``'s output; ``None`` when the hidden states are not among them (then the hidden states
+    alone are handed on).
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        >>> find_chain(net, net[0], net[1], torch.ones(1, 2))
+        Chain(args={0: 0}, kwargs={})
+    """
+    outs: List[Any] = []
+    seen: List[Tuple[Tuple[Any, ...], Dict[str, Any]]] = []
+
+    def keep(_m: nn.Module, _args: Any, out: Any) -> None:
+        outs.append(out)
+
+    def stop(_m: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        seen.append((args, dict(kwargs)))
+        raise _Stop
+
+    model_device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    handle = first.register_forward_hook(keep)
+    try:
+        with pre_hooks([(second, stop)], with_kwargs=True), torch.no_grad():
+            try:
+                call_model(model, to_device(batch, model_device))
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    if not outs or not seen:
+        return None
+    items = list(outs[-1]) if isinstance(outs[-1], (tuple, list)) else [outs[-1]]
+
+    def source(v: Any) -> Optional[int]:
+        return next((j for j, o in enumerate(items) if isinstance(v, Tensor) and o is v), None)
+
+    args, kwargs = seen[0]
+    chain = Chain({k: j for k, v in enumerate(args) if (j := source(v)) is not None},
+                  {k: j for k, v in kwargs.items() if (j := source(v)) is not None})
+    hidden_found = (0 in chain.args) if args else ("hidden_states" in chain.kwargs)
+    return chain if hidden_found else None
 
 
 def _outermost(found: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.Module]]:
@@ -203,9 +314,9 @@ class _Stop(Exception):
     """Raised by the capture hook: the rest of the model need not run."""
 
 
-def _token_mask(batch: Any) -> Optional[Tensor]:
+def _token_mask(batch: Any, key: str = "attention_mask") -> Optional[Tensor]:
     if isinstance(batch, dict):
-        m = batch.get("attention_mask")
+        m = batch.get(key)
         if isinstance(m, Tensor) and m.dim() == 2:
             return m != 0
     return None
@@ -216,13 +327,18 @@ def capture_block_inputs(
     block: nn.Module,
     batches: Iterable[Any],
     device: Any = None,
+    *,
+    mask_key: str = "attention_mask",
+    replace: Optional[Tuple[nn.Module, Sequence[Tensor]]] = None,
 ) -> List[BlockInput]:
     """Run ``model`` on each batch up to ``block`` and return what ``block`` received.
 
     The model stops at the block (nothing after it runs). Each batch's tensors
     are moved to the device of the model's first parameter (not on ``meta``); the captured
-    inputs are moved to ``device`` when given. A dict batch's 2-D
-    ``attention_mask`` becomes the input's ``token_mask``.
+    inputs are moved to ``device`` when given. A dict batch's 2-D ``mask_key``
+    (``attention_mask``; a decoder's: ``decoder_attention_mask``) becomes the input's
+    ``token_mask``. ``replace=(module, hidden)``: the hidden states ``module`` returns on batch
+    ``i`` are replaced by ``hidden[i]`` (a dense model's stream through a pruned one).
 
     Examples:
         >>> import torch
@@ -241,20 +357,41 @@ def capture_block_inputs(
     # are used, block by block, computes on the CPU)
     model_device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     out: List[BlockInput] = []
-    with pre_hooks([(block, hook)], with_kwargs=True):
-        with torch.no_grad():
-            for batch in batches:
-                seen.clear()
-                try:
-                    call_model(model, to_device(batch, model_device))
-                except _Stop:
-                    pass
-                if not seen:
-                    raise ValueError(f"the model never called the block {type(block).__name__} on a calibration batch")
-                args, kwargs = seen[0]
-                item = BlockInput(tuple(args), kwargs, _token_mask(batch))
-                out.append(item.to(device) if device is not None else item)
+    current: List[Tensor] = []
+
+    def substitute(_m: nn.Module, _args: Any, result: Any) -> Any:
+        return _with_output_hidden(result, current[0].to(block_output(result).device))
+
+    handle = replace[0].register_forward_hook(substitute) if replace is not None else None
+    try:
+        with pre_hooks([(block, hook)], with_kwargs=True):
+            with torch.no_grad():
+                for i, batch in enumerate(batches):
+                    seen.clear()
+                    current[:] = [replace[1][i]] if replace is not None else []
+                    try:
+                        call_model(model, to_device(batch, model_device))
+                    except _Stop:
+                        pass
+                    if not seen:
+                        raise ValueError(f"the model never called the block {type(block).__name__} on a "
+                                         "calibration batch")
+                    args, kwargs = seen[0]
+                    item = BlockInput(tuple(args), kwargs, _token_mask(batch, mask_key))
+                    out.append(item.to(device) if device is not None else item)
+    finally:
+        if handle is not None:
+            handle.remove()
     return out
+
+
+def _with_output_hidden(out: Any, hidden: Tensor) -> Any:
+    """A block's return value with other hidden states (a tensor, or the first item of a tuple)."""
+    if isinstance(out, Tensor):
+        return hidden
+    if isinstance(out, tuple) and out and isinstance(out[0], Tensor):
+        return (hidden,) + tuple(out[1:])
+    raise TypeError(f"cannot replace the hidden states in a block's output of type {type(out).__name__}")
 
 
 def block_output(out: Any) -> Tensor:
@@ -270,8 +407,9 @@ def block_output(out: Any) -> Tensor:
 
 
 def run_block(block: nn.Module, inputs: Sequence[BlockInput],
-              each: Optional[Callable[[int, BlockInput], None]] = None) -> List[BlockInput]:
-    """Run ``block`` on every input (no grad); the results, as the next block's inputs.
+              each: Optional[Callable[[int, BlockInput], None]] = None, chain: Optional[Chain] = None
+              ) -> List[BlockInput]:
+    """Run ``block`` on every input (no grad); the results, as the next block's inputs (see :class:`Chain`).
 
     ``each(i, input)`` is called before batch ``i`` runs (to set up per-batch
     hooks, e.g. the token mask of activation statistics).
@@ -287,7 +425,7 @@ def run_block(block: nn.Module, inputs: Sequence[BlockInput],
         for i, inp in enumerate(inputs):
             if each is not None:
                 each(i, inp)
-            out.append(inp.with_hidden(block_output(block(*inp.args, **inp.kwargs))))
+            out.append(inp.chained(block(*inp.args, **inp.kwargs), chain))
     return out
 
 

@@ -52,10 +52,12 @@ class OneshotReport:
     tokens: int = 0
     seconds: float = 0.0
     options: Dict[str, Any] = field(default_factory=dict)
+    #: layers inside the blocks left dense on purpose (mixture-of-experts routers, ...) -> why
+    dense: Dict[str, str] = field(default_factory=dict)
 
     @property
     def sparsity(self) -> float:
-        """Zeros by the masks over all pruned layers' weights."""
+        """Zeros by the masks over all pruned layers' weights (each expert's slice a layer; :attr:`dense` left out)."""
         numel = sum(r.numel for r in self.layers)
         return sum(r.pruned for r in self.layers) / numel if numel else 0.0
 
@@ -72,7 +74,7 @@ class OneshotReport:
         Examples:
             >>> from prunekit.oneshot import OneshotReport
             >>> sorted(OneshotReport("magnitude", "2:4", 0.5).to_dict())[:4]
-            ['blocks', 'layers', 'method', 'options']
+            ['blocks', 'dense', 'layers', 'method']
         """
         d = asdict(self)
         d["sparsity"] = self.sparsity
@@ -89,4 +91,6 @@ class OneshotReport:
             err = "-" if r.error is None else f"{r.error:.4f}"
             lines.append(f"  {r.name:<40} {str(list(r.shape)):>12} sparsity {r.sparsity:.4f}  error {err:>7}  "
                          f"{r.seconds:.3f} s")
+        for name, why in self.dense.items():
+            lines.append(f"  {name:<40} left dense: {why}")
         return "\n".join(lines)

@@ -10,13 +10,18 @@ loading it from disk, baking its masks, writing it out -- is the
 
 The layers of a block are grouped by the input they read (q/k/v share one):
 one set of statistics per group, gathered by forward pre-hooks on the group's
-first layer, the forward stopped as soon as the last group has its input.
+first layer (an expert's slice of a 3-D experts parameter: by a tap on the
+experts' eager loop, from the tokens routed to that expert only), the forward
+stopped as soon as the last group has its input. A slice that no calibration
+token reached is pruned by magnitude.
 """
 
 from __future__ import annotations
 
 import copy
 import ctypes
+import dataclasses
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -28,7 +33,10 @@ from torch import Tensor, nn
 from .. import reparam
 from ..importance import ActivationStats
 from ..methods import custom_from_mask
-from .blocks import BlockInput, block_output, capture_block_inputs, on_device, pre_hooks, run_block
+from .blocks import (BlockInput, Chain, block_output, capture_block_inputs, find_chain, on_device, run_block,
+                     stack_starts)
+from .experts import Routes
+from .inputs import input_taps, token_rows
 from .layers import Target
 from .parallel import Parallel
 from .report import LayerResult, OneshotReport
@@ -38,6 +46,7 @@ __all__ = ["BlockCycle", "Walk", "walk_blocks"]
 
 Blocks = List[Tuple[str, nn.Module]]
 _TRIM: List[Any] = []
+logger = logging.getLogger(__name__)
 
 
 def give_back_free_memory() -> None:
@@ -110,13 +119,20 @@ def walk_blocks(model: nn.Module, block_list: Blocks, layers: List[Target], batc
             if w.progress is not None:
                 w.progress(bi + 1, len(block_list), bname)
         return
-    inputs = capture_block_inputs(model, block_list[0][1], w.par.share(batches), w.device)
+    share = w.par.share(batches)
+    starts = stack_starts(block_list)
+    inputs = capture_block_inputs(model, block_list[0][1], share, w.device)
     w.report.samples = w.par.sum_int(sum(int(i.hidden.shape[0]) for i in inputs))
     w.report.tokens = w.par.sum_int(sum(int(i.token_mask.sum()) if i.token_mask is not None
                                         else int(i.hidden[..., 0].numel()) for i in inputs))
     paired = w.method.startswith("prunekit") and w.opts["correct_error"]
     dense_inputs = inputs if paired else None
+    chain: Optional[Chain] = None
     for bi, (bname, block) in enumerate(block_list):
+        if bi in starts:
+            if bi:
+                inputs, dense_inputs = _restart(model, block_list, bi, share, dense_inputs, w)
+            chain = _chain_of(model, block_list, bi, starts, share)
         mine = by_block.get(bi, [])
         w.cycle.enter(bi, bname, block, mine)
         with on_device(block, w.device):
@@ -127,10 +143,10 @@ def walk_blocks(model: nn.Module, block_list: Blocks, layers: List[Target], batc
                 else:
                     _prune_block_faithful(block, mine, inputs, w)
             if paired:
-                dense_next = run_block(dense_block if dense_block is not None else block, dense_inputs)
+                dense_next = run_block(dense_block if dense_block is not None else block, dense_inputs, chain=chain)
                 if mine and w.opts.get("tune_epochs"):
                     _tune_block(block, mine, inputs, dense_next, w.opts["tune_epochs"], w.opts["tune_lr"])
-            outputs = run_block(block, inputs)
+            outputs = run_block(block, inputs, chain=chain)
             if paired:
                 dense_inputs = dense_next
             del dense_block
@@ -141,21 +157,58 @@ def walk_blocks(model: nn.Module, block_list: Blocks, layers: List[Target], batc
             w.progress(bi + 1, len(block_list), bname)
 
 
+def _restart(model: nn.Module, block_list: Blocks, bi: int, share: List[Any],
+             dense_inputs: Optional[List[BlockInput]], w: Walk) -> Tuple[List[BlockInput], Optional[List[BlockInput]]]:
+    """The inputs of block ``bi``, the first of a new stack (an encoder-decoder's decoder), from the model with
+    the blocks before it pruned; the dense stream's with the last block before it returning the dense states."""
+    decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    key = "decoder_attention_mask" if decoder else "attention_mask"
+    block = block_list[bi][1]
+    inputs = capture_block_inputs(model, block, share, w.device, mask_key=key)
+    if dense_inputs is None:
+        return inputs, None
+    dense = capture_block_inputs(model, block, share, w.device, mask_key=key,
+                                 replace=(block_list[bi - 1][1], [d.hidden for d in dense_inputs]))
+    return inputs, dense
+
+
+def _chain_of(model: nn.Module, block_list: Blocks, bi: int, starts: List[int], share: List[Any]) -> Optional[Chain]:
+    """What the model hands from block to block in the stack beginning at ``bi`` (:func:`find_chain`, on the
+    first batch); ``None`` for a stack of one block or blocks not in memory (only the hidden states then)."""
+    if bi + 1 >= len(block_list) or (bi + 1) in starts or not share:
+        return None
+    pair = [block_list[bi][1], block_list[bi + 1][1]]
+    if any(p.device.type == "meta" for b in pair for p in b.parameters()):
+        return None
+    return find_chain(model, pair[0], pair[1], share[0])
+
+
 def write(t: Target, keep: Tensor, new: Optional[Tensor], bake: bool = False) -> None:
     """Mask (and, when given, new weights into ``weight_orig``) through the reparameterization; with ``bake``,
-    the new weights (or the layer's own) with ``+0.0`` off the mask straight into the plain parameter."""
+    the new weights (or the layer's own) with ``+0.0`` off the mask straight into the plain parameter.
+
+    An expert's slice: the 3-D parameter gets a mask of ones at its first write, then each slice's entries."""
     p = t.param
     if bake:
         with torch.no_grad():
+            slot = p if t.expert is None else p[t.expert]
             if new is not None:
-                p.copy_(t.stored(new))
-            p.masked_fill_(~t.stored(keep).to(p.device), 0)
+                slot.copy_(t.stored(new))
+            slot.masked_fill_(~t.stored(keep).to(p.device), 0)
         return
     mask = t.stored(keep).to(device=p.device, dtype=p.dtype)
-    custom_from_mask(t.module, "weight", mask)
+    if t.expert is not None:
+        if not reparam.is_masked(t.module, t.tensor):
+            custom_from_mask(t.module, t.tensor, torch.ones_like(p))
+        with torch.no_grad():
+            reparam.get_mask(t.module, t.tensor)[t.expert].copy_(mask)
+        p, mask = t.param[t.expert], reparam.get_mask(t.module, t.tensor)[t.expert]
+    else:
+        custom_from_mask(t.module, t.tensor, mask)
+        p = t.param
     if new is not None:
         with torch.no_grad():
-            t.param.copy_(reparam.masked(t.stored(new).to(device=p.device, dtype=p.dtype), mask))
+            p.copy_(reparam.masked(t.stored(new).to(device=p.device, dtype=p.dtype), mask))
 
 
 # ------------------------------------------------------------------ statistics
@@ -165,12 +218,10 @@ def stages(block: nn.Module, targets: Sequence[Target], inp: BlockInput) -> List
     # may hand its address to the next one (the FFN's input), and an id would then merge two stages
     order: List[Tuple[Tensor, Target]] = []
 
-    def hook_for(t: Target) -> Callable[..., None]:
-        def hook(_m: nn.Module, args: Tuple[Any, ...]) -> None:
-            order.append((args[0], t))
-        return hook
+    def seen(t: Target, x: Tensor, _tokens: Optional[Tensor]) -> None:
+        order.append((x, t))
 
-    with pre_hooks([(t.module, hook_for(t)) for t in targets]), torch.no_grad():
+    with input_taps([(t, seen) for t in targets], block), torch.no_grad():
         block(*inp.args, **inp.kwargs)
     out: List[List[Target]] = []
     last: Optional[Tensor] = None
@@ -186,64 +237,82 @@ def stages(block: nn.Module, targets: Sequence[Target], inp: BlockInput) -> List
             out.append([t])
     # not called on this batch (a routed expert): each on its own, last, from the batches that call it
     out.extend([t] for t in targets if t.name not in done)
+    return _experts_together(out, targets)
+
+
+def _experts_together(groups: List[List[Target]], targets: Sequence[Target]) -> List[List[Target]]:
+    """The slices of one experts module next to each other where the module is first seen: every expert's
+    first parameter, then every expert's second (each expert's slice a group of its own)."""
+    rank = {t.name: i for i, t in enumerate(targets)}
+    by_module: Dict[int, List[List[Target]]] = {}
+    for g in groups:
+        if g[0].expert is not None:
+            by_module.setdefault(id(g[0].module), []).append(g)
+    out: List[List[Target]] = []
+    for g in groups:
+        if g[0].expert is None:
+            out.append(g)
+        elif id(g[0].module) in by_module:
+            out.extend(sorted(by_module.pop(id(g[0].module)), key=lambda h: rank[h[0].name]))
     return out
+
+
+def _same_slices(a: List[Target], b: List[Target]) -> bool:
+    """Both groups are slices of one experts parameter (their inputs do not depend on each other)."""
+    return (a[0].expert is not None and b[0].expert is not None and a[0].module is b[0].module
+            and a[0].tensor == b[0].tensor)
 
 
 class _StopBlock(Exception):
     pass
 
 
-def _rows(x: Tensor, mask: Optional[Tensor]) -> Tensor:
-    f = x.shape[-1]
-    if mask is not None and tuple(x.shape[:-1]) == tuple(mask.shape):
-        return x.reshape(-1, f)[mask.reshape(-1).to(x.device)]
-    return x.reshape(-1, f)
+def _capture_first(block: nn.Module, leads: Sequence[Target], inp: BlockInput, record: Optional[Routes] = None,
+                   replay: Optional[Routes] = None) -> List[Optional[Tensor]]:
+    """Run ``block`` on ``inp`` and return the rows (padding left out) each of ``leads`` read first (``None`` for
+    one the block did not call on this batch); the forward stops once every lead has its input."""
+    got: Dict[str, Tensor] = {}
+    want = {t.name for t in leads}
 
-
-def _capture_first(block: nn.Module, modules: Sequence[nn.Module], inp: BlockInput) -> List[Optional[Tensor]]:
-    """Run ``block`` on ``inp`` and return the input each of ``modules`` received first (``None`` for one the
-    block did not call on this batch); the forward stops once every module has its input."""
-    got: Dict[int, Tensor] = {}
-    want = {id(m) for m in modules}
-
-    def hook(m: nn.Module, args: Tuple[Any, ...]) -> None:
-        got.setdefault(id(m), args[0])
+    def seen(t: Target, x: Tensor, tokens: Optional[Tensor]) -> None:
+        if t.name not in got:
+            got[t.name] = token_rows(x, inp.token_mask, tokens)
         if len(got) == len(want):
             raise _StopBlock
 
-    with pre_hooks([(m, hook) for m in modules]), torch.no_grad():
+    with input_taps([(t, seen) for t in leads], block, record, replay), torch.no_grad():
         try:
             block(*inp.args, **inp.kwargs)
         except _StopBlock:
             pass
-    return [got.get(id(m)) for m in modules]
+    return [got.get(t.name) for t in leads]
 
 
 def _gather(block: nn.Module, groups: List[List[Target]], inputs: List[BlockInput], w: Walk,
             adders: List[Callable[..., None]], dense: Optional[Tuple[nn.Module, List[BlockInput]]] = None) -> None:
     """Each group's input rows (padding left out; with ``dense``, the dense block's rows beside them) of every
     calibration batch handed to the group's adder, batch by batch in batch order, on the group's owner rank."""
-    leads = [g[0].module for g in groups]
-    dense_leads: List[nn.Module] = []
+    leads = [g[0] for g in groups]
+    dense_leads: List[Target] = []
     if dense is not None:
         names = {id(m): n for n, m in block.named_modules()}
         dense_mods = dict(dense[0].named_modules())
-        dense_leads = [dense_mods[names[id(m)]] for m in leads]
+        dense_leads = [dataclasses.replace(t, module=dense_mods[names[id(t.module)]]) for t in leads]
     for j in range(w.par.rounds(w.batches)):
         rows: List[Optional[Tuple[Tensor, ...]]] = [None] * len(groups)
         if j < len(inputs):
-            inp = inputs[j]
-            xs = _capture_first(block, leads, inp)
-            xds = _capture_first(dense[0], dense_leads, dense[1][j]) if dense is not None else None
+            routes: Routes = {}  # the dense copy's experts see the pruned block's tokens
+            xs = _capture_first(block, leads, inputs[j], record=routes)
+            xds = _capture_first(dense[0], dense_leads, dense[1][j], replay=routes) if dense is not None else None
             for k, x in enumerate(xs):
                 if x is None:
                     continue
-                r = (_rows(x, inp.token_mask),)
+                r: Tuple[Tensor, ...] = (x,)
                 if xds is not None:
                     if xds[k] is None:
                         raise ValueError(f"the dense copy of the block never called {groups[k][0].name!r}, which the "
                                          "pruned block called, on one calibration batch")
-                    r = r + (_rows(xds[k], inp.token_mask),)
+                    r = r + (xds[k],)
                 rows[k] = r
         for k in range(len(groups)):
             w.par.deliver(w.par.owner(k), rows[k], adders[k])
@@ -330,6 +399,8 @@ def _prune_block_faithful(block: nn.Module, mine: List[Target], inputs: List[Blo
         t0 = time.perf_counter()
         st = of[t.name]
         dense = t.matrix().detach()  # in its own dtype: the solvers compute in float32
+        if st.count == 0:
+            return _unseen(t, dense, w, t0)
         if w.method == "wanda":
             keep = wanda_prune(dense, st.norm, w.sparsity, w.nm)
             return None, keep, None, time.perf_counter() - t0
@@ -337,6 +408,12 @@ def _prune_block_faithful(block: nn.Module, mine: List[Target], inputs: List[Blo
         return new, keep, reconstruction_error(new, dense, st.xtx), time.perf_counter() - t0
 
     _solve_all(mine, solve, hessian, w, release=lambda t: of.pop(t.name))
+
+
+def _unseen(t: Target, dense: Tensor, w: Walk, t0: float) -> Solved:
+    """A layer no calibration token reached (an expert never routed to): pruned by magnitude."""
+    logger.info("%s: no calibration token reached it; pruned by magnitude", t.name)
+    return None, magnitude_prune(dense, w.sparsity, w.nm), None, time.perf_counter() - t0
 
 
 def solve_prunekit(w_dense: Tensor, xtx: Tensor, cross: Optional[Tensor], sparsity: float, nm: NM,
@@ -373,15 +450,24 @@ def _prune_block_sequential(block: nn.Module, dense_block: Optional[nn.Module], 
     """
     groups = stages(block, mine, inputs[0])
     dev = mine[0].param.device
-    rounds = [[g] for g in groups] if w.opts["sequential"] else [groups]
+    rounds: List[List[List[Target]]] = [groups]
+    if w.opts["sequential"]:  # one round per input, every expert's slices of one parameter in one round
+        rounds = []
+        for g in groups:
+            if rounds and _same_slices(rounds[-1][-1], g):
+                rounds[-1].append(g)
+            else:
+                rounds.append([g])
     dense = (dense_block, dense_inputs) if dense_block is not None and dense_inputs is not None else None
     for batch_groups in rounds:
         xtx = [torch.zeros(g[0].in_features, g[0].in_features, device=dev) for g in batch_groups]
         cross = [torch.zeros_like(h) for h in xtx] if dense is not None else None
+        seen = [0] * len(batch_groups)
 
         def adder(j: int) -> Callable[..., None]:
             def add(xp: Tensor, xd: Optional[Tensor] = None) -> None:
                 xp = xp.float()
+                seen[j] += int(xp.shape[0])
                 xtx[j].addmm_(xp.t(), xp)
                 if cross is not None and xd is not None:
                     cross[j].addmm_(xp.t(), xd.float())
@@ -392,11 +478,14 @@ def _prune_block_sequential(block: nn.Module, dense_block: Optional[nn.Module], 
             w.par.share_tensor(xtx[j], w.par.owner(j))
             if cross is not None:
                 w.par.share_tensor(cross[j], w.par.owner(j))
+            seen[j] = w.par.share_int(seen[j], w.par.owner(j))
         of = {t.name: j for j, g in enumerate(batch_groups) for t in g}
 
         def solve(t: Target) -> Solved:
             t0 = time.perf_counter()
             j = of[t.name]
+            if not seen[j]:
+                return _unseen(t, t.matrix().detach(), w, t0)
             new, keep, target = solve_prunekit(t.matrix().detach().float(), xtx[j], None if cross is None else cross[j],
                                                w.sparsity, w.nm, w.opts)
             return new, keep, reconstruction_error(new, target, xtx[j]), time.perf_counter() - t0
@@ -408,7 +497,9 @@ def _tune_block(block: nn.Module, mine: List[Target], inputs: List[BlockInput], 
                 epochs: int, lr: float) -> None:
     """A few epochs of Adam on the kept weights (and biases) of ``mine``: the block's output on the pruned
     model's inputs fitted to the dense block's output on the dense model's inputs (padding left out)."""
-    params = [t.param for t in mine] + [t.module.bias for t in mine if getattr(t.module, "bias", None) is not None]
+    params = list({id(p): p for p in [t.param for t in mine] + [t.module.bias for t in mine if t.expert is None
+                                                                 and getattr(t.module, "bias", None) is not None]
+                   }.values())
     flags = [p.requires_grad for p in params]
     others = [p for p in block.parameters() if all(p is not q for q in params)]
     other_flags = [p.requires_grad for p in others]
@@ -437,4 +528,4 @@ def _tune_block(block: nn.Module, mine: List[Target], inputs: List[BlockInput], 
             p.requires_grad_(f)
         with torch.no_grad():
             for t in mine:
-                reparam.masked(t.param, reparam.get_mask(t.module, "weight"), inplace=True)
+                reparam.masked(t.param, reparam.get_mask(t.module, t.tensor), inplace=True)
