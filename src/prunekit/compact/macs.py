@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import weights
 from .handlers.base import arg
-from .handlers.moe import ExpertsLayout, experts_layout
+from ..moe import ExpertsLayout, experts_layout
 from .trace.inputs import split_inputs
 
 __all__ = ["count_macs", "count_params"]

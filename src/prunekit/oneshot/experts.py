@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -38,56 +37,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import reparam
+from ..moe import ExpertsLayout, experts_layout
 
-__all__ = ["ExpertsLayout", "Routes", "Tap", "eager_experts", "experts_layout", "tapped"]
+__all__ = ["Routes", "Tap", "eager_experts", "tapped"]
 
 #: ``tap(tensor_name, expert, rows, token_index)``: called before expert ``expert``'s slice of ``tensor_name``
 #: multiplies ``rows`` (the flat indices of their tokens in ``token_index``)
 Tap = Callable[[str, int, Tensor, Tensor], None]
 #: the routing ``(top_k_index, top_k_weights)`` of each experts module, by its name in the block
 Routes = Dict[str, Tuple[Tensor, Tensor]]
-
-
-@dataclass(frozen=True)
-class ExpertsLayout:
-    """An experts module's parameters in execution order (``up``, ``down_proj``) and their storage."""
-
-    up: str
-    experts: int
-    gated: bool
-    transposed: bool
-    bias: bool
-
-    @property
-    def tensors(self) -> Tuple[str, str]:
-        """The pruned parameters' names, in the order the experts apply them."""
-        return (self.up, "down_proj")
-
-
-def _param3(m: nn.Module, name: str) -> Optional[Tensor]:
-    t = reparam.stored(m, name)
-    return t if isinstance(t, Tensor) and t.dim() == 3 else None
-
-
-def experts_layout(m: nn.Module) -> Optional[ExpertsLayout]:
-    """The :class:`ExpertsLayout` of a ``transformers`` experts module (3-D ``down_proj`` and ``gate_up_proj``
-    or ``up_proj`` of ``num_experts`` slices, the decorator's ``has_gate``/``is_transposed`` flags), or None."""
-    if "down_proj" not in m._parameters and "down_proj_orig" not in m._parameters:
-        return None
-    n = getattr(m, "num_experts", None)
-    if not isinstance(n, int) or isinstance(n, bool):
-        return None
-    gated = bool(getattr(m, "has_gate", True))
-    up = "gate_up_proj" if gated else "up_proj"
-    up_w, down_w = _param3(m, up), _param3(m, "down_proj")
-    if up_w is None or down_w is None or not up_w.shape[0] == down_w.shape[0] == n:
-        return None
-    transposed = bool(getattr(m, "is_transposed", False))
-    up_in = up_w.shape[1] if transposed else up_w.shape[2]
-    down_out = down_w.shape[2] if transposed else down_w.shape[1]
-    if up_in != down_out:
-        return None
-    return ExpertsLayout(up, n, gated, transposed, bool(getattr(m, "has_bias", False)))
 
 
 def _value(m: nn.Module, name: str) -> Tensor:

@@ -19,7 +19,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 from torch import Tensor, nn
 
 from .. import reparam
-from .experts import experts_layout
+from ..moe import experts_layout
 
 __all__ = ["Target", "find_targets", "is_linear_like", "left_dense"]
 
