@@ -66,8 +66,8 @@ class ShrinkReport:
         changed = ", ".join(f"{k} {self.dense.sizes[k]}->{v}" for k, v in sorted(self.chosen.sizes.items())
                             if v != self.dense.sizes.get(k))
         return (f"ShrinkReport({self.model_type}: {self.dense.params:,} -> {self.params:,} params "
-                f"({self.params / max(self.dense.params, 1):.1%}); {changed or 'nothing removed'}; {self.objective} "
-                f"{self.dense.score:.4g} -> {self.score:.4g}; {len(self.candidates)} candidates, {self.seconds:.1f} s)")
+                f"({self.params / max(self.dense.params, 1):.1%}); {changed or 'nothing removed'}; "
+                f"{'1 - cosine' if self.objective == 'cosine' else 'loss'} {self.dense.score:.4g} -> {self.score:.4g}; {len(self.candidates)} candidates, {self.seconds:.1f} s)")
 
 
 #: routed experts run through grouped matrix products, whose rows must be multiples of 16 bytes
