@@ -10,7 +10,7 @@ says what to write instead.
 from __future__ import annotations
 
 import difflib
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -36,7 +36,8 @@ def find_hook(module: nn.Module, name: str) -> Tuple[Optional[int], Any]:
         >>> type(find_hook(m, "weight")[1]).__name__, find_hook(m, "bias")
         ('L1Unstructured', (None, None))
     """
-    for key, hook in module._forward_pre_hooks.items():
+    hooks: Dict[int, Any] = module._forward_pre_hooks  # a pruning method is a callable object
+    for key, hook in hooks.items():
         if is_method(hook) and hook._tensor_name == name:
             return key, hook
     return None, None
