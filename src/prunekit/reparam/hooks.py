@@ -10,13 +10,13 @@ says what to write instead.
 from __future__ import annotations
 
 import difflib
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, NoReturn, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from .._backend import is_module
-from .queries import describe, is_masked, pruned_names
+from .queries import describe, is_masked, orig_and_mask, pruned_names
 from .value import sync
 
 __all__ = ["check_prunable", "find_hook", "is_method", "is_pruned", "iter_pruned"]
@@ -109,7 +109,7 @@ def check_prunable(module: Any, name: Any) -> Tuple[Tensor, bool]:
         raise TypeError(f"{describe(module)}: the tensor name must be a str such as 'weight', got {name!r}")
     if name in pruned_names(module):
         sync(module)
-        return module._parameters[name + "_orig"], True
+        return orig_and_mask(module, name)[0], True
     _refuse_reparameterized(module, name)
     param = module._parameters.get(name)
     if param is None:
@@ -147,7 +147,7 @@ def _refuse_reparameterized(module: nn.Module, name: str) -> None:
         )
 
 
-def _refuse_missing(module: nn.Module, name: str) -> None:
+def _refuse_missing(module: nn.Module, name: str) -> NoReturn:
     """Raise for a ``name`` that is not a parameter of ``module``: a buffer, or a name it does not have."""
     if name in module._buffers:
         raise TypeError(
