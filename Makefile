@@ -19,13 +19,14 @@ $(STAMP): pyproject.toml setup.py Makefile
 	$(PIP) install -q -e ".[test]" "$(TORCH)"
 	touch $(STAMP)
 
-# Static checks (configured in pyproject.toml): ruff, the import contracts, the private-name check and the
-# size limits (tools/check_sizes.py); `make test` runs them first, so CI does too.
+# Static checks (configured in pyproject.toml): ruff, the import contracts, the private-name check, the
+# size limits (tools/check_sizes.py) and the type checker; `make test` runs them first, so CI does too.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples tools setup.py
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) tools/check_private_imports.py src/prunekit
 	$(PY) tools/check_sizes.py src/prunekit
+	$(VENV)/bin/mypy src/prunekit
 
 $(KERNEL_STAMP): $(STAMP) $(KERNEL_SRC) src/prunekit/sparse/native.py
 	$(PY) -c "from prunekit.sparse import native; print('built', native.build())"

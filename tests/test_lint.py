@@ -95,3 +95,23 @@ def test_the_size_check_refuses_a_new_long_function_and_a_grown_module(tmp_path)
     assert bad.returncode == 1
     assert "prunekit/kernels/long.py::too_long: function of 102 lines (limit 100): split it" in bad.stdout
     assert f"{grown}: module grew from" in bad.stdout
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_py_typed_and_the_license(tmp_path):
+    import zipfile
+
+    # the environment's setuptools builds it (no download); the copy keeps build/ and egg-info out of the tree
+    src = tmp_path / "src_tree"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".zoo", "build", "*.egg-info", "__pycache__", "tests", "docs", "benchmarks", "examples"))
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            str(src), "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stdout + build.stderr
+    wheels = list((tmp_path / "dist").glob("prunekit-*.whl"))
+    assert len(wheels) == 1
+    names = zipfile.ZipFile(wheels[0]).namelist()
+    assert "prunekit/py.typed" in names
+    licenses = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    assert len(licenses) == 1
+    assert zipfile.ZipFile(wheels[0]).read(licenses[0]) == (ROOT / "LICENSE").read_bytes()

@@ -51,9 +51,12 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple
 
 import torch
+
+if TYPE_CHECKING:  # typing_extensions ships with torch; TypeGuard is in typing from Python 3.10
+    from typing_extensions import TypeGuard
 
 __all__ = [
     "Backend",
@@ -368,16 +371,16 @@ def backend_of_class(cls: type) -> Optional[Backend]:
     return None
 
 
-def is_module(obj: Any) -> bool:
-    """A ``torch.nn.Module`` or a ``tensorplay.nn.Module``."""
+def is_module(obj: Any) -> TypeGuard[torch.nn.Module]:
+    """A ``torch.nn.Module`` or a ``tensorplay.nn.Module`` (typed as the torch class, as prunekit's signatures do)."""
     if isinstance(obj, torch.nn.Module):
         return True
     tp = _tensorplay()
     return tp is not None and isinstance(obj, tp.Module)
 
 
-def is_tensor(obj: Any) -> bool:
-    """A ``torch.Tensor`` or a TensorPlay tensor."""
+def is_tensor(obj: Any) -> TypeGuard[torch.Tensor]:
+    """A ``torch.Tensor`` or a TensorPlay tensor (typed as the torch class, as prunekit's signatures do)."""
     if isinstance(obj, torch.Tensor):
         return True
     tp = _tensorplay()

@@ -201,7 +201,7 @@ class BasePruningMethod(ABC):
         snapshot = Snapshot(module)
         try:
             install(module, name, mask, hook, hook_key)
-            if old is not None and hook is old:
+            if isinstance(old, PruningContainer) and hook is old:
                 old.add_pruning_method(method)
             if sharded is not None:
                 sharded.installed(module, name)
@@ -361,9 +361,10 @@ def _as_stored_mask(mask: Tensor, orig: Tensor, dtype: Any) -> Tensor:
     b = backend_of(orig) or TORCH
     if backend_of(mask) is not b or mask.shape != orig.shape:
         shape = tuple(mask.shape) if is_tensor(mask) else type(mask).__name__
-        if is_tensor(mask) and mask.shape == orig.shape:
+        theirs = backend_of(mask)
+        if is_tensor(mask) and theirs is not None and mask.shape == orig.shape:
             raise PruningError(
-                f"the computed mask is a {backend_of(mask).name} tensor, expected a {b.name} tensor like the weight"
+                f"the computed mask is a {theirs.name} tensor, expected a {b.name} tensor like the weight"
             )
         raise PruningError(f"the computed mask has shape {shape}, expected {tuple(orig.shape)}")
     if mask.device != orig.device:

@@ -51,7 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from . import reparam
-from .reparam._internal import install
+from .reparam._internal import install, orig_and_mask
 
 __all__ = ["fuse_known_modules", "fuse_modules", "fuse_modules_qat"]
 
@@ -68,7 +68,7 @@ def _stand_in(module: nn.Module) -> nn.Module:
     value (a new Parameter); every other tensor and every other hook is shared, not copied."""
     reparam.sync(module)
     names = reparam.pruned_names(module)
-    own = {id(module._parameters[n + "_orig"]) for n in names} | {id(module._buffers[n + "_mask"]) for n in names}
+    own = {id(t) for n in names for t in orig_and_mask(module, n)}
     methods = {id(h) for h in _methods(module).values()}
     shared: List[Any] = [t for t in list(module._parameters.values()) + list(module._buffers.values())
                          if t is not None and id(t) not in own]
@@ -95,11 +95,13 @@ def _find(root: nn.Module, target: nn.Module) -> Optional[Tuple[Optional[nn.Modu
 def _counterpart(fused: nn.Module, base: type, shapes: Dict[str, Tuple[int, ...]]) -> Optional[nn.Module]:
     """The module of ``fused`` that took over the pruned module's tensors (same class, same shapes)."""
     for m in fused.modules():
-        if type(m) is base and all(
-            isinstance(m._parameters.get(n), Tensor) and tuple(m._parameters[n].shape) == s for n, s in shapes.items()
-        ):
+        if type(m) is base and all(_shape(m._parameters.get(n)) == s for n, s in shapes.items()):
             return m
     return None
+
+
+def _shape(t: Optional[Tensor]) -> Optional[Tuple[int, ...]]:
+    return tuple(t.shape) if isinstance(t, Tensor) else None
 
 
 def _prune_again(fused: nn.Module, head: nn.Module, stand: nn.Module) -> nn.Module:
@@ -116,7 +118,7 @@ def _prune_again(fused: nn.Module, head: nn.Module, stand: nn.Module) -> nn.Modu
         parent._modules[key] = head
         return fused
     base = reparam.base_class(head)
-    masks = {n: reparam.get_mask(head, n) for n in reparam.pruned_names(head)}
+    masks = {n: orig_and_mask(head, n)[1] for n in reparam.pruned_names(head)}
     target = _counterpart(fused, base, {n: tuple(m.shape) for n, m in masks.items()})
     if target is None:
         raise ValueError(
@@ -126,7 +128,7 @@ def _prune_again(fused: nn.Module, head: nn.Module, stand: nn.Module) -> nn.Modu
         )
     methods = _methods(head)
     for name in sorted(masks):
-        mask, value = masks[name], target._parameters[name]
+        mask, value = masks[name], target.get_parameter(name)
         zeros = (~mask) if mask.dtype == torch.bool else (mask == 0)
         if bool((value.detach()[zeros] != 0).any()):
             logger.warning("fuse_known_modules: %s.%s is no longer pruned after fusion (the fusion shifts its "

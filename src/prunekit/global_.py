@@ -59,9 +59,10 @@ def _check_parameters(parameters: Any) -> List[Tuple[nn.Module, str]]:
         seen.add(key)
     b0 = backend_of(pairs[0][0])
     for i, (m, n) in enumerate(pairs):
-        if backend_of(m) is not b0:
+        b = backend_of(m)
+        if b is not b0 and b is not None and b0 is not None:  # every entry is a module: both are set
             raise FrameworkMismatchError(
-                f"global_unstructured(): parameters[{i}] = ({reparam.describe(m)}, {n!r}) is a {backend_of(m).name} "
+                f"global_unstructured(): parameters[{i}] = ({reparam.describe(m)}, {n!r}) is a {b.name} "
                 f"module but parameters[0] is a {b0.name} module; prune each framework's modules in its own call"
             )
     return pairs

@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Set, Tuple, Union
+from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Set, Tuple, Union
 
 from torch import Tensor, nn
 
@@ -320,7 +320,7 @@ def model_report(source: Union[nn.Module, Mapping[str, Tensor]]) -> ModelReport:
     return report_layers({n: t for n, t in tensors.items() if t.dim() >= 2}, tensors, masked, kind)
 
 
-def report_layers(layers: Mapping[str, Tensor], tensors: Mapping[str, Tensor], masked: Set[str] = frozenset(),
+def report_layers(layers: Mapping[str, Tensor], tensors: Mapping[str, Tensor], masked: AbstractSet[str] = frozenset(),
                   source: str = "model") -> ModelReport:
     """A :class:`ModelReport` with one entry per tensor of ``layers`` (in order) and ``*_all`` totals over ``tensors``.
 

@@ -260,6 +260,7 @@ class CustomFromMask(BasePruningMethod):
 
     PRUNING_TYPE = "global"
     _lazy_default_ok = True
+    mask: Optional[Tensor]  # None once the mask is stored in the module
 
     def __init__(self, mask: Tensor) -> None:
         if not is_tensor(mask):

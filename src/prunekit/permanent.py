@@ -15,7 +15,7 @@ from typing import Any, List, Optional, Tuple
 from torch import Tensor, nn
 
 from . import _sharded, reparam
-from .reparam._internal import Snapshot
+from .reparam._internal import Snapshot, orig_and_mask
 from ._backend import TORCH, backend_of, is_module
 
 __all__ = ["remove_all"]
@@ -70,7 +70,7 @@ def remove_all(model: nn.Module) -> int:
     done: List[Tuple[Any, ...]] = []
     try:
         for qual, module, name in todo:
-            orig, mask = module._parameters[name + "_orig"], module._buffers[name + "_mask"]
+            orig, mask = orig_and_mask(module, name)
             reparam.sync(module)  # a pending write through the pruned name lands first
             # torch.nn.utils.prune's remove gives the parameter new storage: the old one is the undo
             where, values = _overwritten(orig, mask) if name in reparam.pruned_names(module) else (None, None)

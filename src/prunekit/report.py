@@ -150,7 +150,7 @@ def plot_accuracy_vs_sparsity(
         if ai == 0:
             ax.set_title(title or "accuracy against sparsity")
             ax.legend(fontsize=8, loc="lower left")
-        else:
+        elif dense_accuracy is not None:  # the zoomed panel: drawn only with a dense accuracy
             top = 100 * dense_accuracy
             ax.set_ylim(top - 4, min(100.5, top + 1.5))
             ax.set_title("zoom: within 4 points of dense")

@@ -79,12 +79,13 @@ class ModuleState:
         for key in [k for k in m.__dict__ if k not in self.attrs]:
             del m.__dict__[key]
         m.__dict__.update(self.attrs)
-        for target, saved in (
+        tables: List[Tuple[Dict[Any, Any], Dict[Any, Any]]] = [
             (m._parameters, self.params),
             (m._buffers, self.buffers),
             (m._modules, self.modules),
             (m._forward_pre_hooks, self.pre_hooks),
-        ):
+        ]
+        for target, saved in tables:
             target.clear()
             target.update(saved)
         m._non_persistent_buffers_set.clear()
@@ -293,7 +294,7 @@ def finish(cleanup: Any) -> None:
         raise
 
 
-def run_then_clean(body: Callable[[], _T], cleanup: Callable[[], None]) -> _T:
+def run_then_clean(body: Callable[[], _T], cleanup: Callable[[], object]) -> _T:
     """``body()``, with an idempotent ``cleanup`` run to the end however the body ends.
 
     Install what ``cleanup`` undoes (hooks, eval mode) inside ``body``. A single interrupt

@@ -9,7 +9,7 @@ import json
 import math
 import os
 import sys
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence, Tuple
 
 from ..errors import first_line as first_line  # the one helper; the cli modules import it from here
 
@@ -267,11 +267,16 @@ def console(stderr: bool = False) -> Any:
     return Console(file=stream, width=width, highlight=False, soft_wrap=False)
 
 
+Justify = Literal["left", "right"]  # a column of print_table: text on the left, figures on the right
+
+
 def print_table(title: str, columns: List[str], rows: List[List[str]], footer: Optional[List[str]] = None,
-                justify: Optional[List[str]] = None) -> None:
+                justify: Optional[Sequence[Justify]] = None) -> None:
     """A table on stdout: rich when available, aligned plain text otherwise."""
     con = console()
-    justify = justify or (["left"] + ["right"] * (len(columns) - 1))
+    if not justify:
+        right: List[Justify] = ["right"] * (len(columns) - 1)
+        justify = ["left", *right]
     if con is not None:
         from rich.table import Table
 

@@ -148,7 +148,7 @@ def print_pretrained(pretrained: Optional[Dict[str, Any]]) -> None:
         return
     print_table(
         f"pretrained MiniLM-L6: prunekit.oneshot from {pretrained['calibration_sentences']} calibration sentences",
-        PRETRAINED_COLUMNS, pretrained_rows(pretrained), justify=["left"] + ["right"] * (len(PRETRAINED_COLUMNS) - 1))
+        PRETRAINED_COLUMNS, pretrained_rows(pretrained))
     say(f"  mean cosine: pruned against dense sentence embeddings on {pretrained['evaluation_sentences']} other "
         "sentences (1.0 = unchanged); no fine-tuning; seconds = the pruning call")
 
@@ -159,7 +159,7 @@ def print_result(result: Dict[str, Any]) -> None:
     print_table(
         f"prunekit demo: digits CNN, {s.get('name', 'full')} run, "
         f"{result['threads']} thread(s), latency = median of {s['latency_repeats']} batches of {s['latency_batch']}",
-        COLUMNS, table_rows(result), justify=["left"] + ["right"] * (len(COLUMNS) - 1))
+        COLUMNS, table_rows(result))
     for r in result["results"]:
         if r.get("note"):
             say(f"  {r['key']}: {r['note']}")

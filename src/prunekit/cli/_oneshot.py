@@ -111,7 +111,8 @@ def _load(args: argparse.Namespace) -> Tuple[Any, Any, Optional[str]]:
     try:
         import transformers
     except ImportError:
-        transformers = None
+        transformers = None  # type: ignore[assignment]
+    kind: Optional[str]
     if os.path.isdir(args.model):
         if transformers is None:
             raise CliError("--model is a folder: reading Hugging Face models needs transformers (pip install prunekit[hf])")
@@ -138,7 +139,7 @@ def _load(args: argparse.Namespace) -> Tuple[Any, Any, Optional[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import prunekit
+    from prunekit.oneshot import oneshot  # the function the callable package runs
     from prunekit.sparse import save_compressed
 
     to_folder = os.path.isdir(args.model) and not args.out.endswith(".safetensors")
@@ -150,9 +151,9 @@ def run(args: argparse.Namespace) -> int:
     model, tok, kind = _load(args)
     progress, stop = _progress(args.json)
     try:
-        report = prunekit.oneshot(model, samples, tokenizer=tok, sparsity=args.sparsity, pattern=args.pattern,
-                                  method=args.method, device=args.device, batch_size=args.batch_size,
-                                  max_length=args.max_length, progress=progress)
+        report = oneshot(model, samples, tokenizer=tok, sparsity=args.sparsity, pattern=args.pattern,
+                         method=args.method, device=args.device, batch_size=args.batch_size,
+                         max_length=args.max_length, progress=progress)
     except ValueError as e:
         raise CliError(first_line(e), 1) from None
     finally:

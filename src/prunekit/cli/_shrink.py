@@ -192,7 +192,7 @@ def _distill(args: argparse.Namespace, student: Any, tok: Any, samples: List[str
         bar.start()
 
     def progress(step: int, loss: float) -> None:
-        if bar is not None:
+        if bar is not None and task is not None:
             bar.update(task, completed=step, description=f"distilling: loss {loss:.4g}")
 
     try:

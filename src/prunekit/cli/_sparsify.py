@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+from functools import partial
 from typing import Any, Dict, List
 
 from ._common import (
@@ -60,7 +61,7 @@ def _median_ms(models: List[Any], x: Any, repeats: int = 30) -> List[float]:
     from prunekit.timing import interleaved_medians
 
     with torch.no_grad():
-        return [s * 1e3 for s in interleaved_medians([lambda m=m: m(x) for m in models], repeats)]
+        return [s * 1e3 for s in interleaved_medians([partial(m, x) for m in models], repeats)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         dense_ms = sparse_ms = _median_ms([model], x)[0]
     with torch.no_grad():
         diff = float((model(x) - expected).abs().max())
-    layers = [{
+    layers: List[Dict[str, Any]] = [{
         "name": d.name, "kind": d.kind, "shape": list(d.shape), "sparsity": d.sparsity, "converted": d.converted,
         "format": d.format, "policy": d.policy, "reason": d.reason, "dense_ms": d.dense_ms,
         "sparse_ms": d.sparse_ms, "speedup": d.speedup, "timings_ms": d.timings_ms, "not_tried": d.not_tried,

@@ -287,7 +287,7 @@ def _replaced_unchanged(
             if reparam.is_masked(owner, leaf):
                 if leaf not in reparam.pruned_names(owner):
                     continue
-                tensors = [owner._parameters[leaf + "_orig"], owner._buffers[leaf + "_mask"]]
+                tensors = [t for t in (owner._parameters[leaf + "_orig"], owner._buffers[leaf + "_mask"]) if t is not None]
             else:
                 t = owner._parameters.get(leaf, owner._buffers.get(leaf))
                 tensors = [] if t is None else [t]

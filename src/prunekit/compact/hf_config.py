@@ -285,8 +285,9 @@ def config_mismatch(model: nn.Module, config: Any) -> str:
     return ""
 
 
-def scaled_embeddings(model: nn.Module) -> List[nn.Module]:
-    """Embeddings that scale their output by ``sqrt(hidden size)`` (Gemma's), which a new hidden size changes.
+def scaled_embeddings(model: nn.Module) -> List[Any]:
+    """Embeddings that scale their output by ``sqrt(hidden size)`` (Gemma's), which a new hidden size changes:
+    ``nn.Embedding`` subclasses with a ``scalar_embed_scale`` number and an ``embed_scale`` buffer.
 
     Examples:
         >>> import torch
@@ -337,7 +338,7 @@ def apply_config(model: nn.Module, txn: Optional[Transaction] = None) -> str:
     new, reason = updated_config(model)
     if new is None:
         return reason
-    old = model.config
+    old: Any = model.config  # a transformers config (updated_config read its model_type)
     key = FAMILIES[old.model_type].hidden_key
     if getattr(new, key) != getattr(old, key):
         rescale_embeddings(model, getattr(old, key), getattr(new, key), txn)

@@ -27,6 +27,8 @@ class PrunedMultiheadAttention(nn.MultiheadAttention):
         torch.Size([3, 5, 16])
     """
 
+    in_proj_weight_orig: Tensor  # present once in_proj_weight is pruned
+
     def __init__(
         self,
         embed_dim: int,
@@ -51,11 +53,12 @@ class PrunedMultiheadAttention(nn.MultiheadAttention):
         self.dropout = dropout
         self.batch_first = batch_first
         self.in_proj_weight = nn.Parameter(torch.empty(3 * inner, embed_dim, **kw))
-        self.in_proj_bias = nn.Parameter(torch.zeros(3 * inner, **kw)) if bias else None
+        # torch annotates both as always present; bias=False makes in_proj_bias None (as in nn.MultiheadAttention)
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * inner, **kw)) if bias else None  # type: ignore[assignment]
         self.register_parameter("q_proj_weight", None)
         self.register_parameter("k_proj_weight", None)
         self.register_parameter("v_proj_weight", None)
-        self.out_proj = nn.Linear(inner, embed_out, bias=bias, **kw)
+        self.out_proj = nn.Linear(inner, embed_out, bias=bias, **kw)  # type: ignore[assignment]
         self.bias_k = self.bias_v = None
         self.add_zero_attn = False
         nn.init.xavier_uniform_(self.in_proj_weight)

@@ -82,7 +82,7 @@ class _Reader:
     module: nn.Linear
     slot: Tuple[str, str]  # the graph slot whose "in" entry it is
     offset: int  # slot index i is column offset + i
-    stats: Optional[ActivationStats] = None
+    stats: ActivationStats = field(init=False, repr=False)  # set by _gather
 
 
 def _readers(graph: DependencyGraph, group: Group) -> List[_Reader]:
@@ -196,7 +196,8 @@ def _refit(r: _Reader, w_before: Tensor, damp: float, reconstruct: bool) -> Read
 
 def _masks_orig(m: nn.Linear) -> Tensor:
     """The stored weight (``weight_orig`` when masked): what the refit writes."""
-    return m.weight_orig if "weight_orig" in m._parameters else m.weight
+    orig = m._parameters.get("weight_orig")
+    return m.weight if orig is None else orig
 
 
 def _column_masked(m: nn.Linear) -> Tensor:

@@ -15,6 +15,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -79,6 +80,13 @@ class DemoRun:
     @property
     def steps_per_epoch(self) -> int:
         return math.ceil(len(self.data[0]) / self.settings.batch_size)
+
+    @property
+    def trained(self) -> nn.Module:
+        """The dense model :func:`train_dense` trained: the starting point of every other stage."""
+        if self.dense is None:
+            raise ValueError("demo: no dense model yet; run the train_dense stage first")
+        return self.dense
 
     @property
     def example(self) -> Tensor:
@@ -149,7 +157,7 @@ def oneshot_magnitude(run: DemoRun) -> None:
         key = f"oneshot_magnitude_{_pct(s)}"
 
         def one(s: float = s, key: str = key) -> None:
-            m = copy.deepcopy(run.dense)
+            m = copy.deepcopy(run.trained)
             params = [(mod, "weight") for mod in m.modules() if isinstance(mod, (nn.Conv2d, nn.Linear))]
             global_unstructured(params, pruning_method=L1Unstructured, amount=s)
             run.record(key, "one-shot global magnitude", s, m, "no fine-tuning")
@@ -167,7 +175,7 @@ def gradual(run: DemoRun) -> None:
 
             def one(s: float = s, key: str = key, prune_type: str = prune_type, label: str = label) -> None:
                 run.stepper.stage(f"{label} to {_pct(s)}%")
-                m = copy.deepcopy(run.dense)
+                m = copy.deepcopy(run.trained)
                 cfg = _gradual_config(run, prune_type, "1x1", s)
                 run.finetune(m, wire=lambda opt, _t: prepare_pruning(m, cfg, opt))
                 run.record(key, label, s, m)
@@ -181,7 +189,7 @@ def two_four(run: DemoRun) -> None:
 
     def one() -> None:
         run.stepper.stage("2:4 gradual magnitude")
-        m = copy.deepcopy(run.dense)
+        m = copy.deepcopy(run.trained)
         cfg = _gradual_config(run, "magnitude", "2:4", None)
         hooks = run.finetune(m, wire=lambda opt, _t: prepare_pruning(m, cfg, opt))
         skipped = hooks.skipped if hooks is not None else {}
@@ -212,7 +220,7 @@ def channels(run: DemoRun) -> None:
 
     def one() -> None:
         run.stepper.stage(f"channel pruning {_pct(s.channel_amount)}% + compaction")
-        m = copy.deepcopy(run.dense)
+        m = copy.deepcopy(run.trained)
         compaction.prune_groups(m, run.example, s.channel_amount)
         run.finetune(m)
         masked_acc = accuracy(m, run.data[2], run.data[3])
@@ -229,7 +237,7 @@ def _latencies(models: Dict[str, nn.Module], x: Tensor, repeats: int) -> Dict[st
     """Median milliseconds per forward, all models timed in one interleaved loop (prunekit.timing)."""
     for m in models.values():
         m.eval()
-    medians = interleaved_medians([lambda m=m: m(x) for m in models.values()], repeats)
+    medians = interleaved_medians([partial(m, x) for m in models.values()], repeats)
     return {k: s * 1e3 for k, s in zip(models, medians)}
 
 
@@ -263,7 +271,7 @@ def measure(run: DemoRun) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
 
     s = run.settings
     run.stepper.stage("measuring latency, size, MACs")
-    dense = run.dense
+    dense = run.trained
     deploy = {"dense": dense}
     deploy.update({k: bake(v) for k, v in run.finals.items()})
     lat = _latencies(deploy, run.data[2][: s.latency_batch], s.latency_repeats)

@@ -24,7 +24,7 @@ every rank alike for the random methods).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from .checkpoint import load, save
 from .compressed import save_compressed
 from .errors import CorruptDistributedCheckpointError, DistributedCheckpointError, UnsafeDistributedCheckpointError
 from .layout import is_dtensor
+
+if TYPE_CHECKING:
+    from .handler import ShardedHandler
 
 __all__ = ["CorruptDistributedCheckpointError", "DistributedCheckpointError", "GroupComm", "UnsafeDistributedCheckpointError",
            "is_dtensor", "load", "remask", "save", "save_compressed", "shard_masks"]
@@ -54,7 +57,7 @@ def __getattr__(name: str) -> Any:
 class _LazyHandler:
     """Registered at import; loads the real handler (and torch.distributed.tensor) on first use."""
 
-    _real = None
+    _real: ClassVar[Optional[ShardedHandler]] = None
 
     def claims_type(self, cls: type) -> bool:
         from .layout import is_dtensor_type
@@ -86,10 +89,11 @@ def shard_masks(model: nn.Module) -> int:
         0
     """
     from ..reparam import describe, iter_pruned
+    from ..reparam._internal import orig_and_mask
 
     todo = []
     for _, module, name in iter_pruned(model):
-        orig, mask = module._parameters[name + "_orig"], module._buffers[name + "_mask"]
+        orig, mask = orig_and_mask(module, name)
         if is_dtensor(orig) and not is_dtensor(mask):
             todo.append((module, name, orig, mask))
     if not todo:
@@ -98,9 +102,9 @@ def shard_masks(model: nn.Module) -> int:
     from .layout import piece_of, wrap
 
     new = []
-    for module, name, orig, mask in todo:
-        piece = piece_of(orig, describe(module, name))
-        local = piece.spec.local_slice(mask).to(piece.local.device).clone(memory_format=torch.contiguous_format)
+    for module, name, shard, full in todo:
+        piece = piece_of(shard, describe(module, name))
+        local = piece.spec.local_slice(full).to(piece.local.device).clone(memory_format=torch.contiguous_format)
         new.append(wrap(local, piece))
     for (module, name, _, _), m in zip(todo, new):
         module._buffers[name + "_mask"] = m

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Any, Dict, Iterator, Mapping, Optional, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 
 import torch.distributed as dist
 from torch import nn
@@ -139,7 +139,8 @@ def save(checkpoint_id: PathLike, model: nn.Module, pruning: Optional[Any] = Non
     user = os.fspath(checkpoint_id)
     rank, size = world()
     error: Optional[BaseException] = None
-    tmp, created, target = None, [], os.path.realpath(user) if user else user
+    created: List[str] = []
+    tmp, target = None, os.path.realpath(user) if user else user
     try:
         state = _state(model, pruning, extra)
         if rank == 0:

@@ -78,8 +78,10 @@ def save_compressed(model_or_state_dict: Union[nn.Module, Mapping[str, Tensor]],
             except BaseException as e:  # noqa: BLE001 -- reported to every rank below
                 failure = e
         for name, tensor in iter_full(state, dst):
-            if rank == dst and failure is None:
+            if writer is not None and failure is None:  # rank dst, writing
                 try:
+                    if tensor is None:  # iter_full gives rank dst every whole tensor
+                        raise RuntimeError(f"save_compressed: rank {dst} was given no tensor for {name!r}")
                     writer.add(name, tensor)
                 except BaseException as e:  # noqa: BLE001
                     failure = e
@@ -88,7 +90,7 @@ def save_compressed(model_or_state_dict: Union[nn.Module, Mapping[str, Tensor]],
             dist.broadcast(status, src=dst)
             if int(status):
                 break
-        if rank == dst and failure is None:
+        if writer is not None and failure is None:
             try:
                 writer.close()
                 writer = None

@@ -49,6 +49,8 @@ class _StampedFileSystem(FileSystem):
 class VerifiedReader(FileSystemReader):
     """A ``FileSystemReader`` over ``folder`` that uses ``metadata`` as given and reads only stamped files."""
 
+    fs: _StampedFileSystem
+
     def __init__(self, folder: str, metadata: Any, stamps: Mapping[str, Stamp]) -> None:
         super().__init__(folder)
         self.fs = _StampedFileSystem(folder, stamps)

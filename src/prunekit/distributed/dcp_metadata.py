@@ -20,9 +20,12 @@ import io
 import pathlib
 import pickle
 from collections import OrderedDict
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeGuard
 
 from .errors import CorruptDistributedCheckpointError, UnsafeDistributedCheckpointError
 from .manifest import METADATA_NAME, Entry
@@ -98,11 +101,11 @@ def read_metadata(data: bytes, folder: str, files: Mapping[str, Entry]) -> Any:
     return meta
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: Any) -> TypeGuard[int]:
     return type(x) is int
 
 
-def _is_size(x: Any) -> bool:
+def _is_size(x: Any) -> TypeGuard[torch.Size]:
     return type(x) is torch.Size and all(_is_int(d) and d >= 0 for d in x)
 
 

@@ -37,6 +37,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from ..reparam._internal import orig_and_mask
 from .layout import is_dtensor
 
 __all__ = ["find_fsdp_param", "mask_shard", "remask", "unwire", "wire", "wired"]
@@ -171,7 +172,7 @@ def wire(module: nn.Module, name: str) -> None:
     A DTensor parameter that FSDP2 does not manage (``distribute_tensor``,
     tensor parallelism) needs nothing: DTensor ops compute ``orig * mask``.
     """
-    orig = module._parameters[name + "_orig"]
+    orig = orig_and_mask(module, name)[0]
     found = find_fsdp_param(orig)
     if found is None:
         return

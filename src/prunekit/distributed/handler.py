@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from ..kernels.select import NaNScoresError
 from ..reparam import describe
 from . import fsdp
-from .layout import Piece, is_dtensor, is_dtensor_type, piece_of, replica_piece, to_local_like, wrap
+from .layout import Piece, as_dtensor, is_dtensor, is_dtensor_type, piece_of, replica_piece, to_local_like, wrap
 from .masks import global_l1, global_random, kind_of, method_mask
 
 __all__ = ["ShardedHandler"]
@@ -78,11 +78,11 @@ class ShardedHandler:
     # ------------------------------------------------------------------ training
     def count_true(self, t: Tensor) -> int:
         """The number of true (non-zero) entries of a DTensor over all ranks (collective)."""
-        return int((t != 0).sum().full_tensor())
+        return int(as_dtensor((t != 0).sum(), "count_true").full_tensor())
 
     def full(self, t: Tensor) -> Tensor:
         """The whole tensor on every rank (collective; reports gather one tensor at a time)."""
-        return t.full_tensor()
+        return as_dtensor(t, "full").full_tensor()
 
     def update_pruner_masks(self, pruner: Any, step: int) -> None:
         from .training import update_masks
@@ -126,7 +126,7 @@ class ShardedHandler:
             raise type(e)(f"global_unstructured() over {len(pairs)} tensors: {e}") from None
         out = [wrap(k, p) for k, p in zip(keeps, pieces)]
         for m in out:  # ours: apply may store them without a copy
-            m._prunekit_owned = True
+            setattr(m, "_prunekit_owned", True)  # a flag on the tensor object
         return out
 
 

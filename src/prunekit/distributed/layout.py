@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Tuple
 
 import torch
 from torch import Tensor
 
+if TYPE_CHECKING:  # imported where a DTensor is made, never to recognise one
+    from torch.distributed.tensor import DTensor
+    from typing_extensions import TypeGuard
+
 from ..kernels.sharded import ShardSpec
 from .comm import GroupComm
 
-__all__ = ["Piece", "is_dtensor", "is_dtensor_type", "piece_of", "replica_piece", "to_local_like", "wrap"]
+__all__ = ["Piece", "as_dtensor", "is_dtensor", "is_dtensor_type", "piece_of", "replica_piece", "to_local_like", "wrap"]
 
 _COMMS: Dict[Any, GroupComm] = {}
 
@@ -28,7 +32,7 @@ def is_dtensor_type(cls: type) -> bool:
     return any(c.__name__ == "DTensor" and c.__module__.startswith("torch.distributed") for c in cls.__mro__)
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> TypeGuard[DTensor]:
     """Whether ``t`` is a ``DTensor``.
 
     Examples:
@@ -37,6 +41,21 @@ def is_dtensor(t: Any) -> bool:
         False
     """
     return is_dtensor_type(type(t))
+
+
+def as_dtensor(t: Any, where: str) -> DTensor:
+    """``t``, which must be a ``DTensor``; a ``TypeError`` naming ``where`` otherwise.
+
+    Examples:
+        >>> import torch
+        >>> as_dtensor(torch.zeros(2), "fc.weight")
+        Traceback (most recent call last):
+        ...
+        TypeError: fc.weight: expected a DTensor, got a Tensor
+    """
+    if not is_dtensor(t):
+        raise TypeError(f"{where}: expected a DTensor, got a {type(t).__name__}")
+    return t
 
 
 def _comm(group: Any) -> GroupComm:
@@ -66,6 +85,9 @@ class Piece:
 
 def piece_of(t: Tensor, where: str) -> Piece:
     """The :class:`Piece` of a DTensor; ``ValueError`` for layouts prunekit cannot prune exactly."""
+    from torch.distributed.tensor import Shard
+
+    t = as_dtensor(t, where)
     mesh = t.device_mesh
     if mesh.ndim != 1:
         raise ValueError(
@@ -80,7 +102,7 @@ def piece_of(t: Tensor, where: str) -> Piece:
     comm = _comm(mesh.get_group(0))
     if placement.is_replicate():
         spec = ShardSpec(gshape, None, counted=(rank == 0))
-    elif placement.is_shard() and type(placement).__name__ == "Shard":
+    elif isinstance(placement, Shard) and type(placement).__name__ == "Shard":  # not a _StridedShard
         dim = placement.dim % len(gshape)
         size, world = gshape[dim], mesh.size()
         chunk = -(-size // world) if size else 0

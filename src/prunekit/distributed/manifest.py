@@ -173,13 +173,14 @@ def read_manifest(folder: str) -> Dict[str, Entry]:
     if not isinstance(files, dict) or METADATA_NAME not in files:
         raise _bad(folder, f"lists no {METADATA_NAME}")
     out: Dict[str, Entry] = {}
-    for name, e in files.items():
+    for name, listed in files.items():
         if not is_dcp_file(name):
             raise _bad(folder, f"lists {name!r}, which is not a file name DCP writes")
-        if (not isinstance(e, dict) or set(e) != {"size", "sha256"} or type(e["size"]) is not int or e["size"] < 0
-                or not isinstance(e["sha256"], str) or _HEX.fullmatch(e["sha256"]) is None):
+        if (not isinstance(listed, dict) or set(listed) != {"size", "sha256"} or type(listed["size"]) is not int
+                or listed["size"] < 0 or not isinstance(listed["sha256"], str)
+                or _HEX.fullmatch(listed["sha256"]) is None):
             raise _bad(folder, f"has a malformed entry for {name!r} (it needs a size and a hex sha256)")
-        out[name] = Entry(e["size"], e["sha256"])
+        out[name] = Entry(listed["size"], listed["sha256"])
     return out
 
 

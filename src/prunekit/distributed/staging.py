@@ -25,6 +25,7 @@ whole model) for the duration of the load.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
@@ -223,7 +224,7 @@ class StagedLoad:
                     f"{self.folder}: checkpoint entry {name!r} holds a {type(self.flat.get(name)).__name__}, "
                     "not a tensor, where the target has a tensor")
 
-    def _swap(self, name: str, target: Tensor, undo: List[Callable[[], None]]) -> None:
+    def _swap(self, name: str, target: Tensor, undo: List[Callable[[], object]]) -> None:
         staged = self._staged[name]
         dst, src = _local(target.detach()), _local(staged)
         if dst.shape != src.shape or dst.dtype != src.dtype or is_dtensor(target) != is_dtensor(staged):
@@ -235,7 +236,7 @@ class StagedLoad:
         src.copy_(old)
         undo.append(lambda: dst.copy_(src))
 
-    def _commit_model(self, undo: List[Callable[[], None]]) -> None:
+    def _commit_model(self, undo: List[Callable[[], object]]) -> None:
         from .fsdp import remask
 
         model = self._model
@@ -263,7 +264,7 @@ class StagedLoad:
         for m in modules:
             drop_cache(m)
 
-    def _commit_extra(self, undo: List[Callable[[], None]]) -> None:
+    def _commit_extra(self, undo: List[Callable[[], object]]) -> None:
         for name, parent, key, value in self._plain:
             new = self.flat[name]
             if isinstance(value, Tensor):
@@ -271,17 +272,17 @@ class StagedLoad:
             elif parent is not None:
                 old = parent[key]
                 parent[key] = new
-                undo.append(lambda parent=parent, key=key, old=old: parent.__setitem__(key, old))
+                undo.append(functools.partial(parent.__setitem__, key, old))
         for obj, top, state in self._stateful:
             old = _clone_tree(obj.state_dict())
-            undo.append(lambda obj=obj, old=old: obj.load_state_dict(old))
+            undo.append(functools.partial(obj.load_state_dict, old))
             obj.load_state_dict(_rebuild(state, (top,), self.flat))
 
     @contextlib.contextmanager
     def commit(self) -> Iterator[None]:
         """Apply everything staged; undo all of it if anything fails before the ``with`` block ends."""
         self._check_tensors()
-        undo: List[Callable[[], None]] = []
+        undo: List[Callable[[], object]] = []
         try:
             with torch.no_grad():
                 if self._model is not None:

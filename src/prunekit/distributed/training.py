@@ -32,6 +32,7 @@ from torch import Tensor
 from ..kernels.select_sharded import keep_mask_smallest_sharded
 from ..kernels.sharded import ShardSpec, gather_along
 from ..reparam import describe
+from ..reparam._internal import orig_and_mask
 from .layout import Piece, is_dtensor, piece_of, to_local_like, wrap
 
 __all__ = ["check_pattern", "count_pruned_units", "update_masks"]
@@ -122,7 +123,7 @@ def check_pattern(pattern: Any, name: str, module: Any, weight: Tensor) -> None:
 
 
 def _piece(pruner: Any, name: str, module: Any) -> Piece:
-    orig = module._parameters[pruner.weight_name + "_orig"]
+    orig = orig_and_mask(module, pruner.weight_name)[0]
     return piece_of(orig, describe(module, pruner.weight_name) + f" (layer {name!r})")
 
 
@@ -174,6 +175,8 @@ def update_masks(pruner: Any, step: int) -> None:
             already = units.pruned(mask)
             ranking = pattern.ranking(u, already)
             layers.append((n, piece, units, u, already, ranking))
+        if comm is None:  # no layers: nothing to update
+            return
         # already-pruned units per layer, over all ranks (one all-reduce)
         local_pruned = torch.tensor([int(a.sum()) if un.spec.counted or un.spec.dim is not None else 0
                                      for _, _, un, _, a, _ in layers], dtype=torch.int64)

@@ -58,7 +58,7 @@ def channel_norms_sharded(t: Tensor, n: NormOrder, dim: int, spec: ShardSpec, co
     channels = spec.global_shape[dim]
     other = [d for d in range(x.dim()) if d != dim]
     if n == "nuc":
-        return _nuclear(x, dim, spec, comm).to(x.dtype)
+        return _nuclear(x, dim, spec.dim, comm).to(x.dtype)
     order = 2.0 if n == "fro" else float(n)
     if math.isinf(order):
         if x.numel():
@@ -73,13 +73,14 @@ def channel_norms_sharded(t: Tensor, n: NormOrder, dim: int, spec: ShardSpec, co
     return (total if order == 0 else total.pow(1.0 / order)).to(x.dtype)
 
 
-def _nuclear(x: Tensor, dim: int, spec: ShardSpec, comm: Communicator) -> Tensor:
-    """Sum of singular values of each channel's matrix, from Gram matrices summed over ranks."""
+def _nuclear(x: Tensor, dim: int, split: int, comm: Communicator) -> Tensor:
+    """Sum of singular values of each channel's matrix, from Gram matrices summed over ranks (``x`` split
+    along ``split``)."""
     b = backend_of(x) or TORCH
     xp = b.ns
     c = x.movedim(dim, 0).to(xp.float64)
     mat = c.reshape(c.shape[0], c.shape[1], math.prod(c.shape[2:]))
-    split_rows = (spec.dim + 1 if spec.dim < dim else spec.dim) == 1
+    split_rows = (split + 1 if split < dim else split) == 1
     gram = mat.transpose(1, 2) @ mat if split_rows else mat @ mat.transpose(1, 2)
     gram = comm.all_reduce_sum(gram)
     eig = xp.linalg.eigvalsh(gram).clamp_min(0)

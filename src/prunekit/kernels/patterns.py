@@ -205,7 +205,7 @@ class Pattern:
     def max_units(self, shape: Sequence[int]) -> int:
         """Most units a fitting tensor of ``shape`` can lose under the pattern."""
         n = self.n_units(shape)
-        if self.group_size is None:
+        if self.group_size is None or self.max_pruned_per_group is None:
             return n
         return n // self.group_size * self.max_pruned_per_group
 

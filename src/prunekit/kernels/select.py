@@ -136,6 +136,8 @@ def keep_mask_smallest_multi(
         hist = counts if hist is None else hist + counts
         if cached is not None:
             cached.append(h)
+    if hist is None:  # unreachable: k > 0 entries are eligible, so there is a tensor
+        raise ValueError("cannot select from an empty list of score tensors")
     cum = hist.cumsum(0)
     bucket = int(xp.searchsorted(cum, xp.tensor(k, dtype=cum.dtype)))
     below = int(cum[bucket - 1]) if bucket > 0 else 0

@@ -170,7 +170,8 @@ def _histogram(scores: Sequence[Tensor], specs: Sequence[ShardSpec], eligible: L
         if not spec.counted or s.numel() == 0:
             continue
         flat = _flat(s, dtype)
-        elig = None if eligible[i] is None else eligible[i].reshape(-1)
+        e = eligible[i]
+        elig = None if e is None else e.reshape(-1)
         inelig = 0 if elig is None else flat.numel() - int((elig != 0).sum())
         n_nan = -inelig
         for start in range(0, flat.numel(), CHUNK):
@@ -196,7 +197,8 @@ def _split_at_bucket(scores: Sequence[Tensor], specs: Sequence[ShardSpec], eligi
     cands: List[_Candidates] = []
     for i, (s, spec) in enumerate(zip(scores, specs)):
         flat = _flat(s, dtype)
-        elig = None if eligible[i] is None else eligible[i].reshape(-1)
+        e = eligible[i]
+        elig = None if e is None else e.reshape(-1)
         keep = xp.empty(flat.numel(), dtype=b.bool, device=device)
         found = []
         for start in range(0, flat.numel(), CHUNK):

@@ -15,6 +15,7 @@ import json
 import math
 import os
 from collections import OrderedDict
+from functools import partial
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 
 from .. import methods, reparam
 from .._backend import is_module
-from ..reparam._internal import Snapshot, drop_cache
+from ..reparam._internal import Snapshot, drop_cache, orig_and_mask
 
 __all__ = ["MASKS_FILE", "SavedMask", "apply_saved", "check_weights", "read_masks", "restore_masks",
            "split_state_dict"]
@@ -145,6 +146,14 @@ class SavedMask:
         self.weight_zeros = weight_zeros
 
 
+def _held(s: SavedMask) -> Tensor:
+    """The model's stored tensor for ``s`` (``name_orig`` once masked), which :func:`read_masks` found."""
+    t = reparam.stored(s.module, s.name)
+    if t is None:
+        raise ValueError(f"masks: the model no longer has the tensor {s.path!r}; read the masks again")
+    return t
+
+
 def _bad(path: str, detail: str) -> ValueError:
     from ..io.errors import UnreadableFileError
 
@@ -212,7 +221,8 @@ def read_masks(folder: Any, model: nn.Module) -> List[SavedMask]:
             except AttributeError:
                 module, name = None, ""
             current = reparam.stored(module, name) if module is not None else None
-            if not isinstance(current, Tensor) or not (name in module._parameters or reparam.is_masked(module, name)):
+            if (module is None or not isinstance(current, Tensor)
+                    or not (name in module._parameters or reparam.is_masked(module, name))):
                 raise _bad(path, f"{where}: {type(model).__name__} has no parameter {key!r}; the masks file "
                                  "belongs to another model")
             if list(current.shape) != shape:
@@ -283,7 +293,7 @@ def check_weights(saved: List[SavedMask], source: str) -> None:
         for s in saved:
             if s.orig is not None:
                 continue  # a scaling mask: its weight_orig is restored from the file
-            w = reparam.stored(s.module, s.name).detach()  # as loaded: a dense load lands in weight_orig
+            w = _held(s).detach()  # as loaded: a dense load lands in weight_orig
             keep = s.mask if s.mask.dtype == torch.bool else s.mask != 0
             stray = int((w.ne(0) & ~keep).sum())
             if stray:
@@ -343,23 +353,21 @@ def apply_saved(saved: List[SavedMask]) -> None:
         >>> apply_saved(read_masks(folder, plain)); prunekit.is_pruned(plain)
         True
     """
-    undo: List[Callable[[], None]] = []
+    undo: List[Callable[[], object]] = []
     try:
         for s in saved:
             with torch.no_grad():
                 if reparam.is_masked(s.module, s.name):
-                    buf = reparam.get_mask(s.module, s.name)
-                    old = buf.clone()
-                    undo.append(lambda buf=buf, old=old: buf.copy_(old))
+                    buf = orig_and_mask(s.module, s.name)[1]
+                    undo.append(partial(buf.copy_, buf.clone()))
                     buf.copy_(s.mask.to(buf.dtype))
                     drop_cache(s.module, s.name)
                 else:
                     undo.append(Snapshot(s.module).restore)
                     methods.apply_mask(s.module, s.name, s.mask, mask_dtype=s.mask.dtype)
                 if s.orig is not None:
-                    target = reparam.stored(s.module, s.name)
-                    old_orig = target.detach().clone()
-                    undo.append(lambda target=target, old=old_orig: target.detach().copy_(old))
+                    target = _held(s).detach()
+                    undo.append(partial(target.copy_, target.clone()))
                     target.detach().copy_(s.orig)
                     drop_cache(s.module, s.name)
     except BaseException:

@@ -15,7 +15,7 @@ import logging
 import os
 import secrets
 import sys
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, Type
 
 from torch import Tensor, nn
 
@@ -71,7 +71,7 @@ def _save_with(original: Callable[..., Any], model: Any, args: Tuple[Any, ...], 
     dense = masks = origs = None
     if sd is not None:
         dense, masks, origs = split_state_dict(sd)
-    if not masks:
+    if not masks or dense is None or origs is None:  # masks come with dense and origs
         if given is not None:
             bound.arguments["state_dict"] = dense
         aside = None
@@ -116,7 +116,7 @@ def _save_with(original: Callable[..., Any], model: Any, args: Tuple[Any, ...], 
     return result
 
 
-def _original_save(cls: type) -> Callable[..., Any]:
+def _original_save(cls: Type[Any]) -> Callable[..., Any]:
     fn = cls.save_pretrained
     return getattr(fn, "_prunekit_original", fn)
 

@@ -12,7 +12,7 @@ re-pointed whenever the pruned tensors change (:func:`refresh_flat_weights`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, FrozenSet, List, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Tuple, Type
 
 from torch import nn
 
@@ -81,29 +81,34 @@ def _pruned_cls(obj: Any) -> type:
     return type(obj)  # pragma: no cover - only pruned classes get these methods
 
 
+def _above(obj: nn.Module) -> Any:
+    """``super()`` as the pruned class in ``type(obj)``'s MRO sees it: the methods of the class it wraps."""
+    return super(_pruned_cls(obj), obj)
+
+
 # ---------------------------------------------------- the pruned class's methods
 def _setattr(self: nn.Module, key: str, value: Any) -> None:
     if key in pruned_names(self):
         assign(self, key, value)  # before nn.Module.__setattr__, which refuses a Parameter there
     else:
-        super(_pruned_cls(self), self).__setattr__(key, value)
+        _above(self).__setattr__(key, value)
 
 
 def _getattr(self: nn.Module, key: str) -> Any:
     # only reached for parameters, buffers and submodules (nn.Module keeps them out of __dict__)
     if key.endswith("_orig") and key[:-5] in pruned_names(self):
         sync(self)
-    return super(_pruned_cls(self), self).__getattr__(key)
+    return _above(self).__getattr__(key)
 
 
 def _save_to_state_dict(self: nn.Module, destination: Any, prefix: str, keep_vars: bool) -> None:
     sync(self)
-    super(_pruned_cls(self), self)._save_to_state_dict(destination, prefix, keep_vars)
+    _above(self)._save_to_state_dict(destination, prefix, keep_vars)
 
 
 def _load_from_state_dict(self: nn.Module, *args: Any, **kwargs: Any) -> None:
     drop_cache(self)  # what is loaded replaces any pending write through a pruned name
-    super(_pruned_cls(self), self)._load_from_state_dict(*args, **kwargs)
+    _above(self)._load_from_state_dict(*args, **kwargs)
 
 
 def _prepare_scriptable(self: nn.Module) -> nn.Module:
@@ -173,7 +178,7 @@ def _setstate(self: nn.Module, state: Dict[str, Any]) -> None:
     refresh_flat_weights(self)
 
 
-def _rebuild(base: type, names: Tuple[str, ...]) -> nn.Module:
+def _rebuild(base: Type[nn.Module], names: Tuple[str, ...]) -> nn.Module:
     """An empty pruned module of class ``base`` serving ``names`` (pickle fills in its state)."""
     obj = base.__new__(base)
     obj.__class__ = class_for(base, frozenset(names))

@@ -10,13 +10,13 @@ says what to write instead.
 from __future__ import annotations
 
 import difflib
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, NoReturn, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from .._backend import is_module
-from .queries import describe, is_masked, pruned_names
+from .queries import describe, is_masked, orig_and_mask, pruned_names
 from .value import sync
 
 __all__ = ["check_prunable", "find_hook", "is_method", "is_pruned", "iter_pruned"]
@@ -36,7 +36,8 @@ def find_hook(module: nn.Module, name: str) -> Tuple[Optional[int], Any]:
         >>> type(find_hook(m, "weight")[1]).__name__, find_hook(m, "bias")
         ('L1Unstructured', (None, None))
     """
-    for key, hook in module._forward_pre_hooks.items():
+    hooks: Dict[int, Any] = module._forward_pre_hooks  # a pruning method is a callable object
+    for key, hook in hooks.items():
         if is_method(hook) and hook._tensor_name == name:
             return key, hook
     return None, None
@@ -108,7 +109,7 @@ def check_prunable(module: Any, name: Any) -> Tuple[Tensor, bool]:
         raise TypeError(f"{describe(module)}: the tensor name must be a str such as 'weight', got {name!r}")
     if name in pruned_names(module):
         sync(module)
-        return module._parameters[name + "_orig"], True
+        return orig_and_mask(module, name)[0], True
     _refuse_reparameterized(module, name)
     param = module._parameters.get(name)
     if param is None:
@@ -146,7 +147,7 @@ def _refuse_reparameterized(module: nn.Module, name: str) -> None:
         )
 
 
-def _refuse_missing(module: nn.Module, name: str) -> None:
+def _refuse_missing(module: nn.Module, name: str) -> NoReturn:
     """Raise for a ``name`` that is not a parameter of ``module``: a buffer, or a name it does not have."""
     if name in module._buffers:
         raise TypeError(

@@ -21,7 +21,7 @@ from .._backend import TORCH, backend_of, is_module
 from ..transaction import ModuleState, Transaction
 from .classes import refresh_flat_weights, set_pruned_names
 from .hooks import find_hook
-from .queries import describe, is_masked, pruned_names
+from .queries import describe, is_masked, orig_and_mask, pruned_names
 from .value import drop_cache, masked, sync
 
 __all__ = ["Snapshot", "after_restore", "atomic", "install", "remove", "unmask"]
@@ -145,13 +145,12 @@ def unmask(module: nn.Module, name: str, *, bake: bool = True) -> Tensor:
     """
     if not is_masked(module, name):
         raise ValueError(f"{describe(module, name)} is not masked: it has no {name}_orig/{name}_mask pair to drop")
-    mask = module._buffers[name + "_mask"]
+    orig, mask = orig_and_mask(module, name)
     if name in pruned_names(module):
         return _transaction(module, name, bake, lambda: (_drop(module, name), mask)[1])
     # pruned by torch.nn.utils.prune: its own remove, then the value we define
     from torch.nn.utils import prune as torch_prune
 
-    orig = module._parameters[name + "_orig"]
     old_data = orig.data  # torch's remove swaps orig's storage for the product's
     with torch.no_grad():
         value = masked(orig.detach(), mask) if bake else orig.detach().clone()
@@ -159,7 +158,7 @@ def unmask(module: nn.Module, name: str, *, bake: bool = True) -> Tensor:
     try:
         torch_prune.remove(module, name)
         with torch.no_grad():
-            module._parameters[name].copy_(value)
+            getattr(module, name).copy_(value)  # the Parameter torch's remove registered
         return mask
     except BaseException:
         orig.data = old_data
@@ -173,7 +172,7 @@ def _transaction(module: nn.Module, name: str, bake: bool, drop: Any) -> Any:
     Only the entries the bake changes (mask != 1) are kept aside, not the whole tensor.
     """
     sync(module)
-    orig, mask = module._parameters[name + "_orig"], module._buffers[name + "_mask"]
+    orig, mask = orig_and_mask(module, name)
     b = backend_of(orig) or TORCH
     txn = Transaction(after_restore)
     txn.module(module)

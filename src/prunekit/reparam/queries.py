@@ -17,8 +17,8 @@ from torch import Tensor, nn
 
 from .._backend import Backend, is_module, is_tensor
 
-__all__ = ["base_class", "describe", "get_mask", "is_masked", "iter_masked", "owner_of", "pruned_names", "stored",
-           "with_context"]
+__all__ = ["base_class", "describe", "get_mask", "is_masked", "iter_masked", "orig_and_mask", "owner_of", "pruned_names",
+           "stored", "with_context"]
 
 
 # ------------------------------------------------------- the reparameterization
@@ -60,6 +60,22 @@ def stored(module: nn.Module, name: str) -> Optional[Tensor]:
     if is_masked(module, name):
         return module._parameters[name + "_orig"]
     return getattr(module, name, None)
+
+
+def orig_and_mask(module: nn.Module, name: str) -> Tuple[nn.Parameter, Tensor]:
+    """``(name_orig, name_mask)`` of a masked ``name``; a ValueError naming the tensor when it is not masked.
+
+    Examples:
+        >>> import torch, prunekit
+        >>> m = prunekit.l1_unstructured(torch.nn.Linear(3, 2), "weight", amount=1)
+        >>> orig, mask = orig_and_mask(m, "weight"); orig is m.weight_orig, mask is m.weight_mask
+        (True, True)
+    """
+    orig, mask = module._parameters.get(name + "_orig"), module._buffers.get(name + "_mask")
+    if orig is None or mask is None:
+        raise ValueError(f"{describe(module, name)} is not masked: it has no {name}_orig parameter and "
+                         f"{name}_mask buffer pair")
+    return orig, mask
 
 
 def iter_masked(model: nn.Module) -> Iterator[Tuple[str, nn.Module, str]]:
@@ -141,7 +157,7 @@ def describe(module: Any, name: Optional[str] = None) -> str:
         return label
     label += f".{name}"
     t = _held_tensor(module, name)
-    if is_tensor(t):
+    if t is not None and is_tensor(t):
         label += f" {list(t.shape)} {Backend.dtype_label(t.dtype)}"
     return label
 

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from .. import _sharded
 from .._backend import TORCH, Backend, backend_of, is_tensor
-from .queries import describe, is_masked, pruned_names
+from .queries import describe, is_masked, orig_and_mask, pruned_names
 
 __all__ = ["assign", "drop_cache", "effective", "effective_for_reading", "effective_with_grad", "masked",
            "masked_property", "sync"]
@@ -98,7 +98,8 @@ def effective(module: nn.Module, name: str) -> Tensor:
         True
     """
     if is_masked(module, name):
-        return masked(module._parameters[name + "_orig"].detach(), module._buffers[name + "_mask"])
+        orig, mask = orig_and_mask(module, name)
+        return masked(orig.detach(), mask)
     return getattr(module, name).detach()
 
 
@@ -118,7 +119,7 @@ def effective_for_reading(module: nn.Module, name: str) -> Tensor:
     cache = module.__dict__.get(CACHE)
     entry = cache.get(name) if cache else None
     if entry is not None and is_masked(module, name):
-        orig, mask = module._parameters[name + "_orig"], module._buffers[name + "_mask"]
+        orig, mask = orig_and_mask(module, name)
         if (type(orig) in _sharded.PLAIN_TYPES and type(mask) in _sharded.PLAIN_TYPES
                 and not entry.written() and entry.fresh(orig, mask)):
             return entry.value
@@ -183,10 +184,10 @@ def _effective_served(module: nn.Module, name: str, orig: Tensor, mask: Tensor, 
     if b.is_grad_enabled() and (orig.requires_grad or mask.requires_grad):
         value = effective_with_grad(orig, mask)
         if not own:  # handed out with gradients: a write into it is seen at the next access too
-            entry = cache[(name, "grad")] = _CacheEntry(orig, mask, value, b)
-            entry.exposed = True
+            held = cache[(name, "grad")] = _CacheEntry(orig, mask, value, b)
+            held.exposed = True
         return value
-    entry = cache.get(name)
+    entry: Optional[_CacheEntry] = cache.get(name)
     if entry is None or not entry.fresh(orig, mask):
         if b.is_inference_mode_enabled():
             # cache a normal tensor, usable outside inference mode too
@@ -214,6 +215,9 @@ def masked_property(name: str, b: Backend = TORCH) -> property:
 
     def fget(self: nn.Module) -> Tensor:
         orig, mask = self._parameters.get(orig_key), self._buffers[mask_key]
+        if mask is None:
+            raise ValueError(f"{describe(self, name)} is pruned but its {mask_key} buffer is None: set "
+                             f"module.{mask_key} to a mask tensor or call prunekit.remove(module, {name!r})")
         if orig is None:  # name_orig is parametrized (torch.nn.utils.parametrize): its computed value
             return effective_with_grad(getattr(self, orig_key), mask)
         if type(mask) not in plain or type(orig) not in plain:
@@ -324,7 +328,7 @@ def sync(module: nn.Module) -> None:
         return
     b = backend_of(module) or TORCH
     for name in pruned_names(module):
-        _sync_name(module, name, cache, module._parameters[name + "_orig"], module._buffers[name + "_mask"], b)
+        _sync_name(module, name, cache, *orig_and_mask(module, name), b)
 
 
 def assign(module: nn.Module, name: str, value: Any) -> None:
@@ -338,7 +342,7 @@ def assign(module: nn.Module, name: str, value: Any) -> None:
         (3.0, [[3.0, 0.0]])
     """
     b = backend_of(module) or TORCH
-    orig, mask = module._parameters[name + "_orig"], module._buffers[name + "_mask"]
+    orig, mask = orig_and_mask(module, name)
     if not is_tensor(value) or tuple(value.shape) != tuple(orig.shape):
         got = f"shape {tuple(value.shape)}" if is_tensor(value) else type(value).__name__
         raise TypeError(

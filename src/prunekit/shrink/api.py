@@ -306,7 +306,8 @@ def shrink(
     found.sort(key=lambda c: (c.score, -c.params))
     best = found[0]
     removed = plan.removed_blocks(best.sizes)
-    with atomic(Journal()) as journal:
+    journal = Journal()
+    with atomic(journal):
         fits: List[ReaderFit] = []
         with plan.emulated(best.sizes):
             if refit:

@@ -141,8 +141,8 @@ class Objective:
                                      f"{tuple(out.shape)}): its output is a hidden state, so its width cannot be "
                                      "pruned; leave 'hidden' out of axes")
                 losses = 1.0 - F.cosine_similarity(out, ref, dim=-1).flatten()
-                keep = mask.flatten() if mask is not None and mask.numel() == losses.numel() else None
-                keep = keep if keep is not None else torch.ones_like(losses, dtype=torch.bool)
+                real = mask.flatten() if mask is not None and mask.numel() == losses.numel() else None
+                keep = real if real is not None else torch.ones_like(losses, dtype=torch.bool)
             total += float(losses[keep].double().sum())
             count += int(keep.sum())
         return total / max(count, 1)

@@ -396,12 +396,12 @@ def remove_layers(model: nn.Module, indices: Iterable[int], *, journal: Optional
             for sub in block.modules():
                 if isinstance(sub.__dict__.get("layer_idx"), int) and sub.layer_idx != j:
                     txn.module(sub)
-                    sub.layer_idx = j
+                    setattr(sub, "layer_idx", j)  # a transformers attention's own index
         txn.module(owner)
         for attr in _COUNT_ATTRS:
             if owner.__dict__.get(attr) == n:
                 setattr(owner, attr, len(kept))
         if isinstance(owner.__dict__.get("has_sliding_layers"), bool) and "layer_types" in updates:
-            owner.has_sliding_layers = "sliding_attention" in updates["layer_types"]
+            setattr(owner, "has_sliding_layers", "sliding_attention" in updates["layer_types"])
         _set_config(txn, model.config, updates)
     logger.info("removed blocks %s of %s: %d of %d kept", list(removed), name, len(kept), n)

@@ -19,7 +19,7 @@ import random
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -106,7 +106,7 @@ def decay_parameter_names(model: nn.Module) -> List[str]:
         >>> decay_parameter_names(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)))
         ['0.weight']
     """
-    owners = {}
+    owners: Dict[str, str] = {}
     for mname, module in model.named_modules():
         for pname in module._parameters:
             owners.setdefault(f"{mname}.{pname}" if mname else pname, mname)
@@ -180,7 +180,7 @@ def seed_all(seed: int) -> None:
     try:
         import numpy
     except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
-        numpy = None
+        numpy = None  # type: ignore[assignment]
     if numpy is not None:
         numpy.random.seed(seed)
     torch.manual_seed(seed)
@@ -213,8 +213,8 @@ def device_of(model: nn.Module) -> Optional[torch.device]:
     """
     for t in model.parameters():
         return t.device
-    for t in model.buffers():
-        return t.device
+    for b in model.buffers():
+        return b.device
     return None
 
 

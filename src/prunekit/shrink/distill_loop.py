@@ -143,7 +143,7 @@ def run_loop(student: nn.Module, objective: Objective, data: Any, settings: Sett
     student.zero_grad(set_to_none=True)
     while step < total:
         resuming = rng is not None and epoch == first_epoch
-        if resuming and not skip:
+        if resuming and not skip and rng is not None:
             _set_rng_state(rng)
         batches = iter(data)
         if resuming and skip:
@@ -152,7 +152,7 @@ def run_loop(student: nn.Module, objective: Objective, data: Any, settings: Sett
         ran = False
         for update in range(skip if resuming else 0, per_epoch):
             group = list(itertools.islice(batches, ga if update != per_epoch - 1 else remainder))
-            if resuming and skip:
+            if resuming and skip and rng is not None:
                 _set_rng_state(rng)  # where the interrupted run stood after this step's predecessor
                 resuming = False
             if not group:

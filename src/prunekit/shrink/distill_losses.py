@@ -216,7 +216,7 @@ class DistillLoss:
         loss = DistillLoss(kind, self.temperature, pooling, self.intermediate, self.what)
         s, _ = loss._compared(student_out, batch)
         t, _ = loss._compared(teacher_out, batch)
-        pooling = loss.pooling
+        pooling = loss.pooling or ""
         field = "logits" if kind == "kl" else ("pooler_output" if pooling == "pooler" else "last_hidden_state")
         shown = f"{pooling}-pooled {field}" if kind != "kl" and pooling in ("mean", "cls") else field
         for who, v in (("student", s), ("teacher", t)):

@@ -90,6 +90,9 @@ class DistillTrainer(Trainer):
     """
 
     loss_is_scaled_for_ga = False  # the loss is a per-batch mean: Trainer divides it by the accumulation
+    batches: Any
+    objective: Objective
+    settings: Settings
 
     def __init__(self, *, batches: Any, objective: Objective, settings: Settings, **kwargs: Any) -> None:
         self.batches, self.objective, self.settings = batches, objective, settings
@@ -108,7 +111,10 @@ class DistillTrainer(Trainer):
     def create_optimizer(self, model: Optional[nn.Module] = None) -> torch.optim.Optimizer:
         """AdamW as the plain loop builds it."""
         if self.optimizer is None:
-            self.optimizer = make_optimizer(self.model if model is None else model, self.settings)
+            target = self.model if model is None else model
+            if target is None:
+                raise ValueError("prunekit.shrink: DistillTrainer has no model to build an optimizer for")
+            self.optimizer = make_optimizer(target, self.settings)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: Optional[Any] = None) -> Any:
@@ -135,6 +141,8 @@ class DistillTrainer(Trainer):
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         """Trainer's checkpoint, written to a staging folder and moved into place atomically."""
         real = self.args.output_dir
+        if real is None:
+            raise ValueError("prunekit.shrink: DistillTrainer saves checkpoints under args.output_dir, which is None")
         staging = os.path.join(real, STAGING)
         name = f"checkpoint-{self.state.global_step}"
         if self.args.should_save:

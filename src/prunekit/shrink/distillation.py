@@ -222,6 +222,7 @@ def _data(data: Any, settings: Settings, dicts: bool) -> Tuple[Any, Any, Optiona
     if isinstance(data, (Tensor, dict, str, bytes)) or hasattr(data, "keys"):
         raise TypeError(f"{WHAT}: data is a single {type(data).__name__}; pass a list of batches (e.g. [batch]) or "
                         "a DataLoader")
+    batches: Any  # the DataLoader, or the list of batches
     if isinstance(data, DataLoader):
         try:
             n: Optional[int] = len(data)

@@ -27,7 +27,7 @@ import contextlib
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,9 @@ __all__ = ["ExpertImportance", "dropped_experts", "expert_ffn_importance", "expe
            "moe_layers", "narrowed_expert_ffn", "remove_experts", "shrink_expert_ffn"]
 
 Indices = Union[Tensor, Sequence[int]]
+# A transformers sparse MoE block (its ``gate`` router and fused ``experts``) or one of its parts: classes
+# differ per family, so they are read by attribute (``_fused`` checks the layout first)
+MoEModule = Any
 
 
 # ------------------------------------------------------------------ where the experts are
@@ -51,7 +54,7 @@ def _fused(mlp: nn.Module) -> bool:
     router, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
     weight = getattr(router, "weight", None)
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    if not all(isinstance(t, Tensor) for t in (weight, gate_up, down)):
+    if not (isinstance(weight, Tensor) and isinstance(gate_up, Tensor) and isinstance(down, Tensor)):
         return False
     layout = (getattr(experts, "has_gate", True), getattr(experts, "is_concatenated", True),
               not getattr(experts, "is_transposed", False), not getattr(experts, "has_bias", False))
@@ -59,7 +62,7 @@ def _fused(mlp: nn.Module) -> bool:
             and weight.shape[0] == gate_up.shape[0] == down.shape[0] and gate_up.shape[1] == 2 * down.shape[2])
 
 
-def moe_layers(model: nn.Module, what: str = "prunekit.shrink") -> Dict[int, nn.Module]:
+def moe_layers(model: nn.Module, what: str = "prunekit.shrink") -> Dict[int, MoEModule]:
     """``{layer index: sparse MoE block}`` of a mixture-of-experts model (its ``mlp`` with ``gate`` and ``experts``).
 
     A family without experts, a model with no MoE layer, or a block of another layout is a
@@ -79,7 +82,7 @@ def moe_layers(model: nn.Module, what: str = "prunekit.shrink") -> Dict[int, nn.
         raise ValueError(f"{what}: the family {model_type!r} ({type(model).__name__}) has no routed experts; the "
                          f"expert axis applies to mixtures of experts ({moe}): leave it out for this model")
     name, blocks = layer_list(model, what)
-    found: Dict[int, nn.Module] = {}
+    found: Dict[int, MoEModule] = {}
     for i, block in enumerate(blocks):
         mlp = getattr(block, "mlp", None)
         if isinstance(mlp, nn.Module) and _fused(mlp):
@@ -118,7 +121,7 @@ def _experts_inputs(args: tuple, kwargs: dict) -> List[Tensor]:
     return [args[j] if j < len(args) else kwargs[n] for j, n in enumerate(names)]
 
 
-def _activation(experts: nn.Module, x: Tensor, e: int) -> Tensor:
+def _activation(experts: MoEModule, x: Tensor, e: int) -> Tensor:
     """Expert ``e``'s FFN activation ``act(gate) * up`` on the rows ``x`` (the input of its ``down_proj``)."""
     gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
     return experts.act_fn(gate) * up
@@ -136,6 +139,19 @@ def _unhook(module: nn.Module, hook: Any, pre: bool) -> None:
         with_kwargs.pop(key, None)
 
 
+def _unhook_all(hooked: Iterable[Tuple[nn.Module, Any]], pre: bool) -> None:
+    """:func:`_unhook` each ``(module, hook)``."""
+    for module, hook in hooked:
+        _unhook(module, hook, pre)
+
+
+def _config_key(key: Optional[str], what: str) -> str:
+    """A family's config key for its experts (``moe_layers`` already refused a family without experts)."""
+    if key is None:
+        raise ValueError(f"{what}: the model's family has no routed experts")
+    return key
+
+
 def _routed_statistics(model: nn.Module, calibration: Iterable[Any], what: str, ffn: bool) -> Dict[int, Dict[str, Any]]:
     """Per MoE layer: assignments per expert, and either score sums or FFN sums of squares."""
     layers = moe_layers(model, what)
@@ -148,7 +164,7 @@ def _routed_statistics(model: nn.Module, calibration: Iterable[Any], what: str, 
     real: List[Any] = [None]  # the current batch's real tokens, flattened as the MoE block flattens them
 
     def hook_of(stat: Dict[str, Any]) -> Any:
-        def hook(experts: nn.Module, args: tuple, kwargs: dict) -> None:
+        def hook(experts: MoEModule, args: tuple, kwargs: dict) -> None:
             x, index, weights = _experts_inputs(args, kwargs)
             mask = real[0]
             if mask is not None and mask.numel() == x.shape[0]:
@@ -178,7 +194,7 @@ def _routed_statistics(model: nn.Module, calibration: Iterable[Any], what: str, 
             real[0] = mask.flatten() if mask is not None else None
             forward(model, batch)
 
-    run_then_clean(body, lambda: [_unhook(layers[i].experts, h, pre=True) for i, h in hooks.items()])
+    run_then_clean(body, lambda: _unhook_all([(layers[i].experts, h) for i, h in hooks.items()], pre=True))
     return stats
 
 
@@ -280,7 +296,7 @@ def _indices(value: Any, size: int, what: str, where: str, unit: str) -> Tensor:
     return unique
 
 
-def _layer_keys(layers: Mapping[int, nn.Module], keep: Any, what: str, every: bool, example: str) -> None:
+def _layer_keys(layers: Mapping[int, MoEModule], keep: Any, what: str, every: bool, example: str) -> None:
     if not isinstance(keep, Mapping):
         raise TypeError(f"{what}: keep must map MoE layer index -> kept indices, e.g. {example}; got "
                         f"{type(keep).__name__}")
@@ -294,7 +310,7 @@ def _layer_keys(layers: Mapping[int, nn.Module], keep: Any, what: str, every: bo
                          "MoE layer, so give every MoE layer's kept indices (the same count in each)")
 
 
-def _kept_experts(layers: Mapping[int, nn.Module], keep: Any, what: str, every: bool) -> Dict[int, Tensor]:
+def _kept_experts(layers: Mapping[int, MoEModule], keep: Any, what: str, every: bool) -> Dict[int, Tensor]:
     """``{layer: sorted kept expert indices}``, checked (and the same count everywhere when ``every``)."""
     _layer_keys(layers, keep, what, every, "{0: [0, 2, 3], 1: [0, 1, 3]}")
     plan: Dict[int, Tensor] = {}
@@ -313,7 +329,7 @@ def _kept_experts(layers: Mapping[int, nn.Module], keep: Any, what: str, every: 
     return plan
 
 
-def _kept_neurons(layers: Mapping[int, nn.Module], keep: Any, what: str) -> Dict[int, Tensor]:
+def _kept_neurons(layers: Mapping[int, MoEModule], keep: Any, what: str) -> Dict[int, Tensor]:
     """``{layer: [E, I'] sorted kept neuron indices of each expert}``, the same ``I'`` everywhere."""
     _layer_keys(layers, keep, what, True, "{0: [[0, 2], [1, 3], ...one list per expert], ...}")
     plan: Dict[int, Tensor] = {}
@@ -343,7 +359,7 @@ def _kept_neurons(layers: Mapping[int, nn.Module], keep: Any, what: str) -> Dict
 class _KeptRouter:
     """A router seen through its own ``forward`` as if only the kept experts' rows existed."""
 
-    def __init__(self, router: nn.Module, kept: Tensor) -> None:
+    def __init__(self, router: MoEModule, kept: Tensor) -> None:
         self._router = router
         self.weight = router.weight[kept]
         self.num_experts = int(kept.numel())
@@ -355,7 +371,7 @@ class _KeptRouter:
 def _routing_over(kept: Tensor) -> Any:
     """A router forward hook: the routing of a router that has only the ``kept`` experts, in the full index space."""
 
-    def hook(router: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    def hook(router: MoEModule, args: tuple, kwargs: dict, output: Any) -> Any:
         idx = kept.to(router.weight.device)
         logits, scores, chosen = type(router).forward(_KeptRouter(router, idx), *args, **kwargs)
         full = logits.new_full((logits.shape[0], router.weight.shape[0]), float("-inf"))
@@ -398,14 +414,14 @@ def dropped_experts(model: nn.Module, keep: Mapping[int, Indices]) -> Iterator[n
             layers[i].gate.register_forward_hook(hook, with_kwargs=True, prepend=True)  # others see its routing
         yield model
     finally:
-        finish(lambda: [_unhook(layers[i].gate, h, pre=False) for i, h in hooks.items()])
+        finish(lambda: _unhook_all([(layers[i].gate, h) for i, h in hooks.items()], pre=False))
 
 
 def _narrowed(kept: Tensor) -> Any:
     """An experts forward hook: the output recomputed with the columns of ``down_proj`` of the dropped neurons zeroed."""
     inside = [False]
 
-    def hook(experts: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    def hook(experts: MoEModule, args: tuple, kwargs: dict, output: Any) -> Any:
         if inside[0]:  # the call below
             return output
         down = experts.down_proj
@@ -452,7 +468,7 @@ def narrowed_expert_ffn(model: nn.Module, keep: Mapping[int, Any]) -> Iterator[n
             layers[i].experts.register_forward_hook(hook, with_kwargs=True)
         yield model
     finally:
-        finish(lambda: [_unhook(layers[i].experts, h, pre=False) for i, h in hooks.items()])
+        finish(lambda: _unhook_all([(layers[i].experts, h) for i, h in hooks.items()], pre=False))
 
 
 # ------------------------------------------------------------------ removal
@@ -493,7 +509,8 @@ def remove_experts(model: nn.Module, keep: Mapping[int, Indices], *,
     layers = moe_layers(model, what)
     plan = _kept_experts(layers, keep, what, every=True)
     count = int(next(iter(plan.values())).numel())
-    old = getattr(model.config, family.experts_key)
+    experts_key = _config_key(family.experts_key, what)
+    old = getattr(model.config, experts_key)
     with atomic(journal) as txn:
         for i, kept in plan.items():
             router, experts = layers[i].gate, layers[i].experts
@@ -508,12 +525,12 @@ def remove_experts(model: nn.Module, keep: Mapping[int, Indices], *,
             if getattr(owner, "num_experts", None) == old:  # *ForCausalLM's copy (its load-balancing loss reads it)
                 txn.module(owner)
                 owner.num_experts = count
-        _set(txn, model.config, family.experts_key, count)
+        _set(txn, model.config, experts_key, count)
     logger.info("shrink: %s experts per MoE layer %d -> %d (%s)", model_type, old, count, family.experts_key)
     return model
 
 
-def _check_aligned(layers: Mapping[int, nn.Module], width: int, what: str) -> None:
+def _check_aligned(layers: Mapping[int, MoEModule], width: int, what: str) -> None:
     """``ValueError`` when transformers' ``grouped_mm`` experts could not run an expert FFN ``width`` wide.
 
     ``torch._grouped_mm`` needs every row stride to be a multiple of 16 bytes: a width of
@@ -559,7 +576,8 @@ def shrink_expert_ffn(model: nn.Module, keep: Mapping[int, Any], *,
     plan = _kept_neurons(layers, keep, what)
     width = int(next(iter(plan.values())).shape[1])
     _check_aligned(layers, width, what)
-    old = getattr(model.config, family.expert_ffn_key)
+    ffn_key = _config_key(family.expert_ffn_key, what)
+    old = getattr(model.config, ffn_key)
     with atomic(journal) as txn:
         for i, kept in plan.items():
             experts = layers[i].experts
@@ -571,6 +589,6 @@ def shrink_expert_ffn(model: nn.Module, keep: Mapping[int, Any], *,
             _replace(txn, experts, "gate_up_proj", gate_up.gather(1, rows_of_both))
             _replace(txn, experts, "down_proj", down.gather(2, rows[:, None, :].expand(-1, hidden, -1)))
             experts.intermediate_dim = width
-        _set(txn, model.config, family.expert_ffn_key, width)
+        _set(txn, model.config, ffn_key, width)
     logger.info("shrink: %s expert FFN width %d -> %d (%s)", model_type, old, width, family.expert_ffn_key)
     return model

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from ..kernels.lstsq import output_error, refit_columns
 from ..transaction import Transaction
 from .calibration import input_moments
-from .width import HIDDEN, Width, _block_of
+from .width import HIDDEN, Reader, Width, _block_of
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +39,10 @@ class ReaderFit:
     error_after: float
 
 
-def _plan(width: Width, keep: Dict[str, int], skipped: List[int]) -> Dict[int, List[Tuple[str, nn.Module, Tensor]]]:
+def _plan(width: Width, keep: Dict[str, int], skipped: List[int]) -> Dict[int, List[Tuple[str, Reader, Tensor]]]:
     """Per block (in order), ``(name, reader, kept input features)`` of every reader that loses inputs."""
     names = {id(m): n for n, m in width.model.named_modules()}
-    out: Dict[int, Dict[int, Tuple[str, nn.Module, List[Tensor]]]] = {}
+    out: Dict[int, Dict[int, Tuple[str, Reader, List[Tensor]]]] = {}
     for axis_name, n in keep.items():
         axis = width.axes.get(axis_name)
         if axis is None or axis_name == HIDDEN or n == axis.units:
@@ -57,7 +57,7 @@ def _plan(width: Width, keep: Dict[str, int], skipped: List[int]) -> Dict[int, L
                     continue
                 entry = out.setdefault(where[0], {}).setdefault(id(reader), (name, reader, []))
                 entry[2].append(idx[gone[unit_of]])
-    plan = {}
+    plan: Dict[int, List[Tuple[str, Reader, Tensor]]] = {}
     for block in sorted(out):
         plan[block] = []
         for name, reader, parts in out[block].values():
@@ -102,7 +102,7 @@ def refit_readers(width: Width, keep: Dict[str, int], batches: List[Any], journa
     return fits
 
 
-def _refit_one(name: str, reader: nn.Module, kept: Tensor, g: Tensor, journal: Transaction, damp: float) -> ReaderFit:
+def _refit_one(name: str, reader: Reader, kept: Tensor, g: Tensor, journal: Transaction, damp: float) -> ReaderFit:
     linear = isinstance(reader, nn.Linear)
     w = reader.weight.detach() if linear else reader.weight.detach().T  # as (out, in)
     n_in = w.shape[1]

@@ -54,6 +54,9 @@ __all__ = ["Width", "WidthAxis"]
 HIDDEN, HEADS, FFN = "hidden", "heads", "ffn"
 #: "auto" importance uses OBS for a reader when units x inputs^2 (its float64 work) is at most this
 OBS_BUDGET = 4e9
+# A layer that reads a width axis: an nn.Linear, or a transformers Conv1D (GPT-2's; weight (in, out)), which
+# has no class to name here, so readers are used by their weight and bias
+Reader = Any
 
 
 @dataclass
@@ -138,7 +141,7 @@ class Width:
             self.axes[name] = WidthAxis(name, groups, units, width)
 
     # ------------------------------------------------------------------ what is where
-    def _readers(self, g: Group) -> List[Tuple[nn.Module, Tensor, Tensor]]:
+    def _readers(self, g: Group) -> List[Tuple[Reader, Tensor, Tensor]]:
         """``(reader module, input features, unit of each)`` of a per-block group: where its units are read."""
         out = []
         for mname, e, idx, unit_of in self.graph.entries(g):
@@ -294,7 +297,7 @@ class Width:
     # ------------------------------------------------------------------ removal
     def decisions(self, keep: Dict[str, int]) -> List[GroupDecision]:
         """The units each group loses when ``keep[axis]`` units of each axis stay."""
-        out = []
+        out: List[GroupDecision] = []
         for name, n in keep.items():
             axis = self._axis(name)
             out.extend(GroupDecision(g, r, axis.units) for g, r in zip(axis.groups, axis.removed(n)))

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from functools import partial
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -51,6 +52,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+Layer = Union[nn.Linear, nn.Conv2d]  # the layers it converts
 
 _FORMATS = ("auto", "csr", "bsr", "channels", "2:4")
 # key built in _decide -> (dense_s, {policy: seconds})
@@ -178,7 +180,7 @@ def _kind(module: nn.Module) -> Optional[str]:
     return None
 
 
-def _capture_inputs(model: nn.Module, candidates_: Dict[str, nn.Module], example_inputs: Any) -> Dict[str, torch.Tensor]:
+def _capture_inputs(model: nn.Module, candidates_: Mapping[str, nn.Module], example_inputs: Any) -> Dict[str, torch.Tensor]:
     """Each candidate layer's first input, from one no-grad run in eval mode (training flags restored)."""
     seen: Dict[str, torch.Tensor] = {}
     handles = []
@@ -220,7 +222,7 @@ def _swap(model: nn.Module, replacements: Dict[int, nn.Module], result: Any) -> 
     returns ``result``. The caller's last step: ``return _swap(...)``, so that no failure (an interrupt
     included) can land between a completed swap and the caller's return."""
     parents = _parents(model)
-    done: List[Tuple[nn.Module, str, nn.Module]] = []
+    done: List[Tuple[nn.Module, str, Optional[nn.Module]]] = []
     try:
         for mod_id, new in replacements.items():
             for parent, attr in parents.get(mod_id, []):
@@ -362,21 +364,21 @@ def _device_note(format: str, wanted: List[str]) -> str:
     return ""
 
 
-def _candidates(model: nn.Module, layer_types: Sequence[str], report: SparsifyReport) -> Dict[str, nn.Module]:
+def _candidates(model: nn.Module, layer_types: Sequence[str], report: SparsifyReport) -> Dict[str, Layer]:
     """The layers to decide on, named by their first path; those that cannot be swapped go to ``report``.
 
     Layers inside ``MultiheadAttention`` are read directly by their parent's
     forward, the model itself cannot be replaced in place, and a lazy layer
     has no weight yet.
     """
-    layers: Dict[str, nn.Module] = {}
-    mha_children = set()
+    layers: Dict[str, Layer] = {}
+    mha_children: Set[int] = set()
     for _, mod in model.named_modules():
         if isinstance(mod, nn.MultiheadAttention):
             mha_children.update(id(c) for c in mod.modules() if c is not mod)
     for name, mod in model.named_modules():
         kind = _kind(mod)
-        if kind is None or kind not in layer_types:
+        if kind is None or kind not in layer_types or not isinstance(mod, (nn.Linear, nn.Conv2d)):
             continue
         if id(mod) in mha_children:
             report.layers.append(LayerDecision(name, kind, tuple(mod.weight.shape), _sparsity(mod.weight), False,
@@ -413,7 +415,7 @@ def _layout(policy: str) -> str:
     return policy.split("-")[0]
 
 
-def _decide(name: str, mod: nn.Module, captured: Optional[torch.Tensor], had_example: bool, batch_size: int,
+def _decide(name: str, mod: Layer, captured: Optional[torch.Tensor], had_example: bool, batch_size: int,
             fmt_req: str, wanted: List[str], min_sparsity: float, min_speedup: float, measure: bool,
             budget_s: float, keep_original: bool) -> Tuple[LayerDecision, Optional[nn.Module]]:
     kind = _kind(mod) or "linear"
@@ -429,7 +431,7 @@ def _decide(name: str, mod: nn.Module, captured: Optional[torch.Tensor], had_exa
     semi_reason = ""
     pattern_note = ""
     if "2:4" in wanted:
-        if kind != "linear":
+        if not isinstance(mod, nn.Linear):  # kind "conv2d"
             if fmt_req == "2:4":
                 return no("2:4 semi-structured kernels exist only for Linear layers", "2:4")
             semi_reason = "2:4 kernels take only Linear layers"
@@ -443,14 +445,13 @@ def _decide(name: str, mod: nn.Module, captured: Optional[torch.Tensor], had_exa
                     return no(f"2:4 pattern valid ({why}), not converted: {blocked}", "2:4")
             if ok and not blocked:
                 pattern_note = f"2:4 pattern valid ({why}); "
-                semi_builder = lambda: SemiStructuredLinear(mod, weight, _semi_structured_backend(),  # noqa: E731
-                                                            keep_original)
+                semi_builder = partial(SemiStructuredLinear, mod, weight, _semi_structured_backend(), keep_original)
             else:
                 semi_reason = f"not a 2:4 pattern: {why}" if not ok else blocked
 
     if sparsity < min_sparsity and semi_builder is None:
         return no(f"sparsity {sparsity:.1%} is below min_sparsity {min_sparsity:.0%}", _layout(wanted[0]))
-    if kind == "conv2d":
+    if isinstance(mod, nn.Conv2d):  # kind "conv2d"
         bad = conv2d_unsupported_reason(mod)
         if bad:
             return no(f"convolution not supported by CSRConv2d: {bad}", "csr")
@@ -491,17 +492,17 @@ def _decide(name: str, mod: nn.Module, captured: Optional[torch.Tensor], had_exa
                              "(measure=False)", _layout(policy), rows, policy=policy, not_tried=not_tried), new
 
     structure = tuple(sorted(built))  # which layouts fit this weight (block fill, zero channels) decides the set
-    key = (kind, shape, _conv_key(mod) if kind == "conv2d" else None, round(sparsity, 2), structure,
+    key = (kind, shape, _conv_key(mod) if isinstance(mod, nn.Conv2d) else None, round(sparsity, 2), structure,
            tuple(x.shape), weight.dtype, str(weight.device), torch.get_num_threads())
     cached = key in _DECISION_CACHE
     if not cached:
-        fns = {policy: (lambda m=m: m(x)) for policy, m in built.items()}
+        fns = {policy: partial(m, x) for policy, m in built.items()}
         _DECISION_CACHE[key] = measure_in_context(lambda: mod(x), fns, weight.device, budget_s)
     dense_s, times = _DECISION_CACHE[key]
-    best = min(times, key=times.get)
+    best = min(times, key=lambda p: times[p])
     timings_ms = {"dense": dense_s * 1e3, **{p: t * 1e3 for p, t in times.items()}}
     speedup = dense_s / times[best] if times[best] > 0 else float("inf")
-    info = dict(rows=rows, dense_ms=dense_s * 1e3, sparse_ms=times[best] * 1e3, cached=cached, policy=best,
+    info: Dict[str, Any] = dict(rows=rows, dense_ms=dense_s * 1e3, sparse_ms=times[best] * 1e3, cached=cached, policy=best,
                 timings_ms=timings_ms, not_tried=not_tried)
     if speedup >= min_speedup:
         return LayerDecision(name, kind, shape, sparsity, True,
@@ -511,7 +512,7 @@ def _decide(name: str, mod: nn.Module, captured: Optional[torch.Tensor], had_exa
               f"(needs {min_speedup:.2f}x)", _layout(best), **info)
 
 
-def _conv_key(mod: nn.Module) -> Tuple[Any, ...]:
+def _conv_key(mod: nn.Conv2d) -> Tuple[Any, ...]:
     return (tuple(mod.stride), tuple(mod.padding), tuple(mod.dilation))
 
 

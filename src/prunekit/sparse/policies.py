@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from functools import partial
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -72,7 +73,7 @@ def policies_for_format(fmt: str) -> Tuple[str, ...]:
     return _FORMAT_POLICIES[fmt]
 
 
-def candidates(kind: str, module: nn.Module, weight: torch.Tensor, wanted: Sequence[str], keep_original: bool,
+def candidates(kind: str, module: Union[nn.Linear, nn.Conv2d], weight: torch.Tensor, wanted: Sequence[str], keep_original: bool,
                semi_structured: Optional[Callable[[], Any]] = None,
                semi_structured_reason: str = "") -> Tuple[Dict[str, Builder], Dict[str, str]]:
     """Which of the ``wanted`` policies can run this layer: ``({name: builder}, {name: why not})``.
@@ -90,6 +91,7 @@ def candidates(kind: str, module: nn.Module, weight: torch.Tensor, wanted: Seque
         "only 50% of the stored 1x4 blocks would be non-zero (needs 75%: prune with pattern '1x4')"
     """
     original = module if keep_original else None
+    bias = module.bias if isinstance(module.bias, torch.Tensor) else None  # nn.Linear leaves bias untyped
     cpu = weight.device.type == "cpu"
     one_thread = torch.get_num_threads() == 1
     fills: Dict[Tuple[int, int], float] = {}
@@ -114,11 +116,11 @@ def candidates(kind: str, module: nn.Module, weight: torch.Tensor, wanted: Seque
             continue
         if layout == "csr":
             if kind == "linear":
-                builders[name] = (lambda k=kernel, t=threads: CSRLinear(weight, module.bias, original, kernel=k,
-                                                                        threads=t))
+                builders[name] = partial(CSRLinear, weight, bias, original, kernel=kernel, threads=threads)
+            elif isinstance(module, nn.Conv2d):
+                builders[name] = partial(CSRConv2d, module, weight, keep_original, kernel=kernel, threads=threads)
             else:
-                builders[name] = (lambda k=kernel, t=threads: CSRConv2d(module, weight, keep_original, kernel=k,
-                                                                        threads=t))
+                skipped[name] = f"csr runs Linear and Conv2d layers, not {type(module).__name__}"
             continue
         if kind != "linear":
             skipped[name] = f"{layout} runs Linear layers only"
@@ -134,7 +136,7 @@ def candidates(kind: str, module: nn.Module, weight: torch.Tensor, wanted: Seque
                 skipped[name] = (f"only {fill:.0%} of the stored {block[0]}x{block[1]} blocks would be non-zero "
                                  f"(needs {MIN_BLOCK_FILL:.0%}: prune with pattern '{block[0]}x{block[1]}')")
                 continue
-            builders[name] = lambda b=block, t=threads: BSRLinear(weight, module.bias, original, block=b, threads=t)
+            builders[name] = partial(BSRLinear, weight, bias, original, block=block, threads=threads)
         elif layout == "channels":
             nz = weight != 0
             area = float(nz.any(1).sum()) * float(nz.any(0).sum()) / max(weight.numel(), 1)
@@ -142,7 +144,7 @@ def candidates(kind: str, module: nn.Module, weight: torch.Tensor, wanted: Seque
                 skipped[name] = (f"whole zero rows/columns leave {area:.0%} of the weight (needs at most "
                                  f"{MAX_CHANNEL_AREA:.0%})")
                 continue
-            builders[name] = lambda: ChannelLinear(weight, module.bias, original)
+            builders[name] = partial(ChannelLinear, weight, bias, original)
         else:  # pragma: no cover - names are validated by the caller
             skipped[name] = "unknown policy"
     return builders, skipped
@@ -160,7 +162,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_in_context(dense: Callable[[], Any], fns: Dict[str, Callable[[], Any]], device: torch.device,
+def measure_in_context(dense: Callable[[], Any], fns: Mapping[str, Callable[[], Any]], device: torch.device,
                        budget_s: float, min_rounds: int = 5, max_rounds: int = 50) -> Tuple[float, Dict[str, float]]:
     """Median seconds of the dense call and of each candidate, every candidate call right after a dense call.
 

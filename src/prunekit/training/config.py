@@ -61,7 +61,7 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
-from ..kernels.patterns import get_pattern
+from ..kernels.patterns import NInMPattern, get_pattern
 from .registry import PRUNERS, did_you_mean
 from .schedules import DECAY_TYPES
 
@@ -166,9 +166,10 @@ class PrunerConfig:
             else:
                 t = _as_ratio(w, "target_sparsity", self.target_sparsity)
                 if not math.isclose(t, pat.fixed_sparsity, abs_tol=1e-9):
+                    kept = f"{pat.n} of every {pat.m}" if isinstance(pat, NInMPattern) else "a fixed share of its"
                     raise ValueError(
                         f"{w}: target_sparsity={t} does not match pattern {_show(self.pattern)}, which keeps "
-                        f"{pat.n} of every {pat.m} weights (sparsity {pat.fixed_sparsity:g}); set "
+                        f"{kept} weights (sparsity {pat.fixed_sparsity:g}); set "
                         f"target_sparsity: {pat.fixed_sparsity:g} or leave it out"
                     )
                 self.target_sparsity = pat.fixed_sparsity

@@ -31,6 +31,7 @@ the same weights and gradients give the same masks in both.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from contextlib import contextmanager
@@ -40,7 +41,7 @@ from torch import Tensor, nn
 
 from .. import _sharded, methods, reparam
 from .._backend import TORCH, Backend, FrameworkMismatchError, backend_of, is_module, is_tensor
-from ..reparam._internal import Snapshot
+from ..reparam._internal import Snapshot, orig_and_mask
 from ._optim import clear_pruned_state_, fill_second_moments_, release_second_moments_
 from ._undo import UndoLog, zero_where_
 from .allocation import check_feasible, global_counts, local_counts
@@ -49,7 +50,7 @@ from .criteria import Criterion, get_criterion
 from ..kernels.patterns import Pattern, get_pattern, select_lowest
 from .registry import PRUNERS, get_pruner_class, register_pruners
 from .schedules import Scheduler, get_scheduler
-from .selection import explain_empty_selection, require_modules, select_modules  # noqa: F401 (importable from here too)
+from .selection import explain_empty_selection, require_modules, select_modules, stored_weight  # noqa: F401 (importable from here too)
 
 __all__ = [
     "Pruner",
@@ -69,12 +70,12 @@ logger = logging.getLogger(__name__)
 def _ensure_mask(module: nn.Module, name: str, init: Optional[Tensor] = None) -> Tensor:
     """The module's mask buffer for ``name``, created (all ones, or ``init``) by the mask module."""
     if reparam.is_masked(module, name):
-        return reparam.get_mask(module, name)
+        return orig_and_mask(module, name)[1]
     w = getattr(module, name)
     b = backend_of(w) or TORCH
     mask = b.ns.ones_like(w) if init is None else init.to(device=w.device, dtype=w.dtype)
     methods.apply_mask(module, name, mask)
-    return reparam.get_mask(module, name)
+    return orig_and_mask(module, name)[1]
 
 
 class Pruner:
@@ -139,6 +140,8 @@ class Pruner:
         self.start_step = self.config.start_step
         self.end_step = self.config.end_step
         self.update_frequency_on_step = self.config.update_frequency_on_step
+        if self.config.target_sparsity is None:  # PrunerConfig's checks set it; a later edit may not
+            raise ValueError(f"{self.config.where}: target_sparsity is None; set a number in [0, 1], e.g. 0.9")
         self.target_sparsity_ratio = float(self.config.target_sparsity)
         self.max_sparsity_ratio_per_layer = self.config.max_sparsity_ratio_per_layer
         self.min_sparsity_ratio_per_layer = self.config.min_sparsity_ratio_per_layer
@@ -194,7 +197,7 @@ class Pruner:
         own = log is None
         grad_mode = self._b.is_grad_enabled()
         try:
-            if own:
+            if log is None:  # own
                 log = UndoLog()
                 self._undo = log
             if self._undo_joined is not log:
@@ -249,11 +252,8 @@ class Pruner:
             return
         names, numel, lo, hi, un = [], [], [], [], []
         for n, m in self.modules.items():
-            shape = tuple(reparam.stored(m, self.weight_name).shape)
-            if reparam.is_masked(m, self.weight_name):
-                mask = reparam.get_mask(m, self.weight_name)
-            else:
-                mask = initial.get(n)
+            shape = tuple(stored_weight(m, self.weight_name).shape)
+            mask = reparam.get_mask(m, self.weight_name) if reparam.is_masked(m, self.weight_name) else initial.get(n)
             pruned = 0 if mask is None else self._pruned_units(n, m, mask)
             l, h = self._unit_bounds(n, shape, pruned, 1.0)
             names.append(n)
@@ -307,7 +307,7 @@ class Pruner:
             return
         with self._atomic() as undo:
             for n, m in self.modules.items():
-                release_second_moments_(self.optimizers, reparam.stored(m, self.weight_name), self.masks[n], undo)
+                release_second_moments_(self.optimizers, stored_weight(m, self.weight_name), self.masks[n], undo)
             self._state_pending = True
             self._state_due = None
             self._state_filled = False
@@ -321,7 +321,7 @@ class Pruner:
             period: Optional[int] = None
             seen = False
             for n, m in self.modules.items():
-                orig = reparam.stored(m, self.weight_name)
+                orig = stored_weight(m, self.weight_name)
                 seen = seen or any(opt.state.get(orig) for opt in self.optimizers)
                 p = fill_second_moments_(self.optimizers, orig, self.masks[n], undo)
                 if p is not None:
@@ -427,7 +427,7 @@ class Pruner:
         """Set ``weight_orig`` to zero wherever the mask is zero (in place, no grad; atomic)."""
         with self._atomic() as undo:
             for n, m in self.modules.items():
-                zero_where_(reparam.stored(m, self.weight_name), self.masks[n], undo)
+                zero_where_(stored_weight(m, self.weight_name), self.masks[n], undo)
 
     def update_scores(self) -> None:
         """Feed the criterion this step's weights and gradients (gradient criteria).
@@ -440,7 +440,7 @@ class Pruner:
             return
         with self._atomic(), self._b.no_grad():
             for n, m in self.modules.items():
-                orig = reparam.stored(m, self.weight_name)
+                orig = stored_weight(m, self.weight_name)
                 self.criterion.update(n, orig.detach(), orig.grad)
             self._scored_step = self.global_step
 
@@ -507,7 +507,7 @@ class Pruner:
     def _set_mask(self, name: str, keep: Tensor) -> None:
         module = self.modules[name]
         mask = self.masks[name]
-        orig = reparam.stored(module, self.weight_name)
+        orig = stored_weight(module, self.weight_name)
         b = self._b
         if b.ns.equal(keep.to(b.bool), mask != 0):
             return
@@ -577,7 +577,7 @@ class Pruner:
                 for n, m in state["masks"].items():
                     target = self.masks[n]
                     old = target.clone()
-                    undo.add(lambda target=target, old=old: _copy_no_grad(b, target, old))
+                    undo.add(functools.partial(_copy_no_grad, b, target, old))
                     target.copy_(m.to(device=target.device, dtype=target.dtype))
             self.mask_weights()
             self._state_pending = True
@@ -634,7 +634,7 @@ class PatternLockPruner(Pruner):
     adds_zeros = False
 
     def _initial_mask(self, name: str, module: nn.Module) -> Optional[Tensor]:
-        w = reparam.stored(module, self.weight_name)
+        w = stored_weight(module, self.weight_name)
         return (w != 0).to(w.dtype)
 
 

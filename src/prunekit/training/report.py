@@ -122,7 +122,7 @@ def sparsity_report(model: nn.Module, layers: Optional[Mapping[str, Optional[Any
         numel_all=full.numel_all,
         zeros_all=full.numel_all - full.nonzero_all,
     )
-    blocked = [e for e in rep.layers if e.blocks is not None]
+    blocked = [(e.zero_blocks, e.blocks) for e in rep.layers if e.zero_blocks is not None and e.blocks is not None]
     if blocked:
-        rep.blockwise_over_layers = fraction(sum(e.zero_blocks for e in blocked), sum(e.blocks for e in blocked))
+        rep.blockwise_over_layers = fraction(sum(z for z, _ in blocked), sum(n for _, n in blocked))
     return rep

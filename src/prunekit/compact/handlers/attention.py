@@ -14,7 +14,7 @@ __all__ = ["BertSelfAttentionHandler", "MultiheadAttentionHandler"]
 
 
 @register_handler(nn.MultiheadAttention)
-class MultiheadAttentionHandler(ModuleHandler):
+class MultiheadAttentionHandler(ModuleHandler[nn.MultiheadAttention]):
     """``nn.MultiheadAttention`` with packed q/k/v weights: heads, input and output dims.
 
     A compacted attention layer becomes :class:`~prunekit.compact.modules.PrunedMultiheadAttention`
@@ -22,10 +22,10 @@ class MultiheadAttentionHandler(ModuleHandler):
     """
 
     @staticmethod
-    def _inner(m: nn.Module) -> int:
+    def _inner(m: nn.MultiheadAttention) -> int:
         return m.num_heads * m.head_dim
 
-    def slots(self, m: nn.Module) -> Dict[str, Slot]:
+    def slots(self, m: nn.MultiheadAttention) -> Dict[str, Slot]:
         inner = self._inner(m)
         heads = [Entry("in_proj_weight", 0, k * inner) for k in range(3)]
         if has_tensor(m, "in_proj_bias"):
@@ -87,7 +87,7 @@ def _is_bert_self_attention(m: nn.Module) -> bool:
 
 
 @register_handler(predicate=_is_bert_self_attention)
-class BertSelfAttentionHandler(ModuleHandler):
+class BertSelfAttentionHandler(ModuleHandler[Any]):
     """Hugging Face BERT-style self-attention (``query``/``key``/``value`` Linears,
     ``num_attention_heads``, ``attention_head_size``, ``all_head_size``): whole heads.
 
@@ -95,7 +95,7 @@ class BertSelfAttentionHandler(ModuleHandler):
     the tracer couples automatically.
     """
 
-    def slots(self, m: nn.Module) -> Dict[str, Slot]:
+    def slots(self, m: Any) -> Dict[str, Slot]:  # duck-typed: _is_bert_self_attention checked its attributes
         heads = []
         ins = []
         for k in ("query", "key", "value"):
@@ -124,7 +124,7 @@ class BertSelfAttentionHandler(ModuleHandler):
             return [(f"{k}.weight", 1, 0, f"{k}.bias") for k in ("query", "key", "value")]
         return "BERT self-attention without biases cannot take a constant"
 
-    def attrs(self, m, sizes):
+    def attrs(self, m: Any, sizes: Dict[str, int]) -> Dict[str, Any]:
         n_in, n_h = sizes["in"], sizes["heads"]
         a: Dict[str, Any] = {"all_head_size": n_h, "num_attention_heads": n_h // m.attention_head_size}
         for k in ("query", "key", "value"):

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Type, Union, runtime_checkable
+from typing import (
+    Any, Callable, Dict, Generic, List, Optional, Protocol, Sequence, Tuple, Type, TypeVar, Union, runtime_checkable,
+)
 
 from torch import Tensor, nn
 
@@ -124,24 +126,29 @@ class TracerAPI(Protocol):
         """The channel ids of every element of ``t`` (same shape), or None when it carries none."""
 
 
-class ModuleHandler(abc.ABC):
+_M = TypeVar("_M", bound=nn.Module)
+_H = TypeVar("_H", bound="Type[ModuleHandler]")
+
+
+class ModuleHandler(abc.ABC, Generic[_M]):
     """How compaction sees one module type. Subclass it and register it with :func:`register_handler`.
 
     Required: :meth:`slots` and :meth:`trace`. Optional: :meth:`attrs` (new attribute values
     once tensors are sliced) and :meth:`convert` (a replacement module). The module is a
     leaf of the trace: what runs inside it is not traced, so the handler alone says how
-    its inputs and outputs relate to its slots.
+    its inputs and outputs relate to its slots. ``ModuleHandler[nn.Linear]`` says which
+    module class it handles (for the type checker; a plain subclass takes any module).
     """
 
     #: True for layers that can be a model's final classifier (Linear, Conv)
     classifier: bool = False
 
     @abc.abstractmethod
-    def slots(self, module: nn.Module) -> Dict[str, Slot]:
+    def slots(self, module: _M) -> Dict[str, Slot]:
         """The module's prunable dimensions, by slot name (called once per module and graph)."""
 
     @abc.abstractmethod
-    def trace(self, module: nn.Module, name: str, tracer: TracerAPI, args: tuple, kwargs: dict, output: Any) -> None:
+    def trace(self, module: _M, name: str, tracer: TracerAPI, args: tuple, kwargs: dict, output: Any) -> None:
         """Relate the module's inputs and outputs to its slots, after it ran on the example inputs.
 
         ``args``/``kwargs`` are what the module was called with, ``output`` what it returned;
@@ -149,17 +156,17 @@ class ModuleHandler(abc.ABC):
         ``tracer.block`` (see :class:`TracerAPI`).
         """
 
-    def attrs(self, module: nn.Module, sizes: Dict[str, int]) -> Dict[str, Any]:
+    def attrs(self, module: _M, sizes: Dict[str, int]) -> Dict[str, Any]:
         """New attribute values (dotted paths allowed) once slot sizes become ``sizes``."""
         return {}
 
-    def fold_constant(self, module: nn.Module, slot: str) -> Union[str, List[Tuple[str, int, int, str]]]:
+    def fold_constant(self, module: _M, slot: str) -> Union[str, List[Tuple[str, int, int, str]]]:
         """How a constant arriving at input slot ``slot`` folds into biases: a list of
         ``(weight path, input axis, output axis, bias path)`` (``bias[o] += sum(weight[o, j, ...] * c_j)``),
         or a sentence saying why it cannot (the default)."""
         return f"{type(module).__name__} has no rule to fold a constant input into a bias"
 
-    def convert(self, module: nn.Module, sizes: Dict[str, int]) -> Optional[nn.Module]:
+    def convert(self, module: _M, sizes: Dict[str, int]) -> Optional[nn.Module]:
         """Return a replacement module (sharing the same Parameters), or None to keep ``module``."""
         return None
 
@@ -233,7 +240,7 @@ def register_handler(
     *types: type,
     predicate: Optional[Callable[[nn.Module], bool]] = None,
     registry: Optional[HandlerRegistry] = None,
-) -> Callable[[Type[ModuleHandler]], Type[ModuleHandler]]:
+) -> Callable[[_H], _H]:
     """Class decorator: register a :class:`ModuleHandler` subclass for module types.
 
     The class must implement :meth:`ModuleHandler.slots` and :meth:`ModuleHandler.trace`
@@ -268,7 +275,7 @@ def register_handler(
     if not types and predicate is None:
         raise TypeError("register_handler needs at least one module type or a predicate")
 
-    def deco(cls: Type[ModuleHandler]) -> Type[ModuleHandler]:
+    def deco(cls: _H) -> _H:
         if not (isinstance(cls, type) and issubclass(cls, ModuleHandler)):
             raise TypeError(f"@register_handler decorates ModuleHandler subclasses, got {cls!r}")
         missing = sorted(getattr(cls, "__abstractmethods__", ()))

@@ -27,12 +27,12 @@ def _is_conv1d(m: nn.Module) -> bool:
 
 
 @register_handler(predicate=_is_conv1d)
-class Conv1DHandler(ModuleHandler):
+class Conv1DHandler(ModuleHandler[Any]):
     """GPT-2's ``Conv1D(nf, nx)``: ``y = x @ weight + bias`` with ``weight`` of shape ``(nx, nf)``."""
 
     classifier = True
 
-    def slots(self, m: nn.Module) -> Dict[str, Slot]:
+    def slots(self, m: Any) -> Dict[str, Slot]:  # duck-typed: _is_conv1d checked nx, nf and weight
         out = entries(("weight", 1), ("bias", 0)) if has_tensor(m, "bias") else entries(("weight", 1))
         return {"in": Slot(m.nx, entries(("weight", 0, 0, "in")), role="in"), "out": Slot(m.nf, out, role="out")}
 
@@ -66,7 +66,7 @@ def _is_rms_norm(m: nn.Module) -> bool:
 
 
 @register_handler(predicate=_is_rms_norm)
-class RMSNormHandler(ModuleHandler):
+class RMSNormHandler(ModuleHandler[Any]):
     """RMS normalization over the last dimension (``weight * x / rms(x)``).
 
     Removing features changes the root mean square it divides by, so with
@@ -74,7 +74,7 @@ class RMSNormHandler(ModuleHandler):
     them anyway and :func:`~prunekit.compact.compact` reports the output error.
     """
 
-    def slots(self, m: nn.Module) -> Dict[str, Slot]:
+    def slots(self, m: Any) -> Dict[str, Slot]:  # duck-typed: _is_rms_norm checked its weight
         return {"features": Slot(m.weight.shape[0], entries(("weight", 0, 0, "norm")), role="norm")}
 
     def trace(self, m: nn.Module, name: str, tracer: TracerAPI, args: tuple, kwargs: dict, output: Any) -> None:

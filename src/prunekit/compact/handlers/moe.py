@@ -106,7 +106,10 @@ class RouterHandler(ModuleHandler):
     expert indices are routing decisions, not channels (they carry no channel labels)."""
 
     def slots(self, m: nn.Module) -> Dict[str, Slot]:
-        return {"in": Slot(int(reparam.stored(m, "weight").shape[1]), [Entry("weight", 1, 0, "in")], role="in")}
+        w = reparam.stored(m, "weight")
+        if w is None:
+            raise TypeError(f"router {type(m).__name__} has no weight (is_router accepts only modules with one)")
+        return {"in": Slot(int(w.shape[1]), [Entry("weight", 1, 0, "in")], role="in")}
 
     def trace(self, m: nn.Module, name: str, tracer: TracerAPI, args: tuple, kwargs: dict, output: Any) -> None:
         tracer.bind(arg(args, kwargs, 0, "hidden_states"), -1, tracer.slot(name, "in"))

@@ -86,12 +86,12 @@ class Layout:
     family: str = ""
 
 
-def _linear(m: nn.Module, name: str) -> Optional[nn.Module]:
+def _linear(m: nn.Module, name: str) -> Optional[nn.Linear]:
     sub = getattr(m, name, None)
     return sub if isinstance(sub, nn.Linear) else None
 
 
-def _conv1d(m: nn.Module, name: str) -> Optional[nn.Module]:
+def _conv1d(m: nn.Module, name: str) -> Optional[Any]:  # GPT-2's Conv1D (duck-typed: nf, nx)
     sub = getattr(m, name, None)
     if sub is None or type(sub).__name__ != "Conv1D" or not isinstance(getattr(sub, "nf", None), int):
         return None
@@ -106,7 +106,7 @@ def _int(m: nn.Module, *names: str) -> Optional[int]:
     return None
 
 
-def _split(q: nn.Module, k: nn.Module, v: nn.Module, head_dim: int, v_dim: Optional[int] = None) -> Optional[Tuple[int, int, int]]:
+def _split(q: nn.Linear, k: nn.Linear, v: nn.Linear, head_dim: int, v_dim: Optional[int] = None) -> Optional[Tuple[int, int, int]]:
     """(heads, kv_heads, v_dim) from the projections' output sizes, or None if they do not divide."""
     nq, nk, nv = q.out_features, k.out_features, v.out_features
     if nq % head_dim or nk % head_dim:
@@ -114,10 +114,10 @@ def _split(q: nn.Module, k: nn.Module, v: nn.Module, head_dim: int, v_dim: Optio
     heads, kv = nq // head_dim, nk // head_dim
     if kv == 0 or heads % kv or nv % kv:
         return None
-    v_dim = v_dim or nv // kv
-    if v_dim * kv != nv:
+    vd = v_dim or nv // kv
+    if vd * kv != nv:
         return None
-    return heads, kv, v_dim
+    return heads, kv, vd
 
 
 def layout_of(m: nn.Module) -> Optional[Layout]:
@@ -149,10 +149,10 @@ def layout_of(m: nn.Module) -> Optional[Layout]:
     # Phi-3: one fused qkv_proj (query heads, then key heads, then value heads) + o_proj
     qkv, o, kv = _linear(m, "qkv_proj"), _linear(m, "o_proj"), _int(m, "num_key_value_heads")
     if qkv and o and hd and kv and o.in_features % hd == 0:
-        heads = o.in_features // hd
-        if heads % kv == 0 and qkv.out_features == (heads + 2 * kv) * hd:
-            return Layout(Proj("qkv_proj"), Proj("qkv_proj", heads * hd), Proj("qkv_proj", (heads + kv) * hd),
-                          Proj("o_proj"), heads, kv, hd, hd, family="Phi-3")
+        nq = o.in_features // hd
+        if nq % kv == 0 and qkv.out_features == (nq + 2 * kv) * hd:
+            return Layout(Proj("qkv_proj"), Proj("qkv_proj", nq * hd), Proj("qkv_proj", (nq + kv) * hd),
+                          Proj("o_proj"), nq, kv, hd, hd, family="Phi-3")
     # DistilBERT
     q, k, v, o = (_linear(m, n) for n in ("q_lin", "k_lin", "v_lin", "out_lin"))
     hd = _int(m, "attention_head_size")
@@ -232,14 +232,14 @@ def _extras(m: nn.Module, lay: Layout) -> Tuple[List[Entry], List[Entry], List[s
     per_q: List[Entry] = []
     per_kv: List[Entry] = []
     spans: List[str] = []
-    for pname, _ in m.named_parameters():
+    for pname, param in m.named_parameters():
         path = pname
         owner, leaf = reparam.owner_of(m, pname)
         if leaf.endswith("_orig") and reparam.is_masked(owner, leaf[:-5]):  # a pruned tensor: its own name
             path, leaf = pname[:-5], leaf[:-5]
         if any(path == k or path.startswith(k + ".") for k in known) or path == "sinks":
             continue
-        shape = tuple(reparam.stored(owner, leaf).shape)
+        shape = tuple(param.shape)  # the stored tensor (name_orig when pruned)
         if shape == (lay.qk_dim,):
             continue
         if shape[:1] == (lay.heads,) and shape[1:] in ((), (lay.qk_dim,)) and not (
@@ -312,7 +312,7 @@ class ProjectionAttentionHandler(ModuleHandler):
         if "kv_in" in ids:
             if kv is None and lay.cross:
                 for t in everything:
-                    tracer.block(t, f"cross-attention '{name}' ran without its key/value input ({lay.kv_arg[1]})")
+                    tracer.block(t, f"cross-attention '{name}' ran without its key/value input ({lay.kv_arg[1] if lay.kv_arg else 'none named'})")
                 return
             tracer.bind(x if kv is None else kv, -1, ids["kv_in"])
         self._tie(m, name, tracer, lay, ids)
@@ -456,10 +456,10 @@ def _slot_names(lay: Layout) -> List[str]:
 
 
 def _in_size(m: nn.Module, p: Proj) -> int:
-    sub = m.get_submodule(p.path)
+    sub: Any = m.get_submodule(p.path)  # an nn.Linear, or GPT-2's Conv1D (nx, nf) when transposed
     return sub.nx if p.transposed else sub.in_features
 
 
 def _out_size(m: nn.Module, p: Proj) -> int:
-    sub = m.get_submodule(p.path)
+    sub: Any = m.get_submodule(p.path)  # an nn.Linear, or GPT-2's Conv1D (nx, nf) when transposed
     return sub.nf if p.transposed else sub.out_features

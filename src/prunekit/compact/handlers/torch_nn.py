@@ -15,10 +15,10 @@ __all__ = ["BatchNormHandler", "ConvHandler", "ConvTransposeHandler", "Embedding
 
 
 @register_handler(nn.Linear)
-class LinearHandler(ModuleHandler):
+class LinearHandler(ModuleHandler[nn.Linear]):
     classifier = True
 
-    def slots(self, m: nn.Module) -> Dict[str, Slot]:
+    def slots(self, m: nn.Linear) -> Dict[str, Slot]:
         out = entries(("weight", 0), ("bias", 0)) if has_tensor(m, "bias") else entries(("weight", 0))
         return {
             "in": Slot(m.in_features, entries(("weight", 1, 0, "in")), role="in"),
@@ -43,12 +43,12 @@ class LinearHandler(ModuleHandler):
 
 
 @register_handler(nn.Conv1d, nn.Conv2d, nn.Conv3d)
-class ConvHandler(ModuleHandler):
+class ConvHandler(ModuleHandler[nn.modules.conv._ConvNd]):
     """Conv1d/2d/3d. Grouped and depthwise convs are pruned by whole groups."""
 
     classifier = True
 
-    def slots(self, m: nn.Module) -> Dict[str, Slot]:
+    def slots(self, m: nn.modules.conv._ConvNd) -> Dict[str, Slot]:
         out = entries(("weight", 0), ("bias", 0)) if has_tensor(m, "bias") else entries(("weight", 0))
         ins = entries(("weight", 1, 0, "in")) if m.groups == 1 else []
         return {"in": Slot(m.in_channels, ins, role="in"), "out": Slot(m.out_channels, out, role="out")}
@@ -93,7 +93,7 @@ def _single_output(tracer: Any, name: str, n_out: int, slot: str = "out") -> boo
     return True
 
 
-def _zero_padded(m: nn.Module) -> Optional[str]:
+def _zero_padded(m: nn.modules.conv._ConvNd) -> Optional[str]:
     """Why a constant input channel would not give a position-independent contribution, or None."""
     if m.padding_mode != "zeros":
         return None  # replicate/reflect/circular padding of a constant is the constant
@@ -107,12 +107,12 @@ def _zero_padded(m: nn.Module) -> Optional[str]:
 
 
 @register_handler(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-class ConvTransposeHandler(ModuleHandler):
+class ConvTransposeHandler(ModuleHandler[nn.modules.conv._ConvTransposeNd]):
     """ConvTranspose1d/2d/3d (weight ``in x out/groups x kernel``); grouped ones are blocked."""
 
     classifier = True
 
-    def slots(self, m: nn.Module) -> Dict[str, Slot]:
+    def slots(self, m: nn.modules.conv._ConvTransposeNd) -> Dict[str, Slot]:
         out = entries(("weight", 1), ("bias", 0)) if has_tensor(m, "bias") else entries(("weight", 1))
         return {"in": Slot(m.in_channels, entries(("weight", 0, 0, "in")), role="in"),
                 "out": Slot(m.out_channels, out, role="out")}
@@ -137,8 +137,8 @@ class ConvTransposeHandler(ModuleHandler):
 
 
 @register_handler(nn.modules.batchnorm._BatchNorm)
-class BatchNormHandler(ModuleHandler):
-    def slots(self, m: nn.Module) -> Dict[str, Slot]:
+class BatchNormHandler(ModuleHandler[nn.modules.batchnorm._BatchNorm]):
+    def slots(self, m: nn.modules.batchnorm._BatchNorm) -> Dict[str, Slot]:
         affine = ("weight", 0, 0, "norm"), ("bias", 0, 0, "norm")
         stats = ("running_mean", 0, 0, "buffer"), ("running_var", 0, 0, "buffer")
         e = entries(*(affine if m.affine else ()), *(stats if m.track_running_stats and m.running_mean is not None else ()))
@@ -166,10 +166,10 @@ class BatchNormHandler(ModuleHandler):
 
 
 @register_handler(nn.GroupNorm)
-class GroupNormHandler(ModuleHandler):
+class GroupNormHandler(ModuleHandler[nn.GroupNorm]):
     """GroupNorm is pruned by whole groups, which leaves the other groups' statistics exact."""
 
-    def slots(self, m: nn.Module) -> Dict[str, Slot]:
+    def slots(self, m: nn.GroupNorm) -> Dict[str, Slot]:
         e = [Entry("weight", 0, role="norm")] if m.affine else []
         if m.affine and has_tensor(m, "bias"):  # timm's GroupNorm1NoBias drops it
             e.append(Entry("bias", 0, role="norm"))
@@ -186,7 +186,7 @@ class GroupNormHandler(ModuleHandler):
 
 
 @register_handler(nn.LayerNorm)
-class LayerNormHandler(ModuleHandler):
+class LayerNormHandler(ModuleHandler[nn.LayerNorm]):
     """LayerNorm over the last dimension.
 
     Removing features changes the mean and variance it computes, so with
@@ -194,7 +194,7 @@ class LayerNormHandler(ModuleHandler):
     it (the compacted model then differs from the masked one).
     """
 
-    def slots(self, m: nn.Module) -> Dict[str, Slot]:
+    def slots(self, m: nn.LayerNorm) -> Dict[str, Slot]:
         e = []
         if m.elementwise_affine:
             e.append(Entry("weight", 0, role="norm"))
@@ -222,8 +222,8 @@ class LayerNormHandler(ModuleHandler):
 
 
 @register_handler(nn.Embedding)
-class EmbeddingHandler(ModuleHandler):
-    def slots(self, m: nn.Module) -> Dict[str, Slot]:
+class EmbeddingHandler(ModuleHandler[nn.Embedding]):
+    def slots(self, m: nn.Embedding) -> Dict[str, Slot]:
         return {"dim": Slot(m.embedding_dim, [Entry("weight", 1)], role="out")}
 
     def trace(self, m, name, tracer, args, kwargs, output):

@@ -37,7 +37,7 @@ class NonZero:
 
     def __init__(self, graph: DependencyGraph) -> None:
         self.graph = graph
-        self.cache: Dict[Tuple[str, ...], Tensor] = {}
+        self.cache: Dict[Tuple[Any, ...], Tensor] = {}  # (module, path, axis) or ("mask", module, path, axis)
         self._folds: Dict[Tuple[str, str], Union[str, list]] = {}
         self._axes_of: Optional[Dict[Tuple[str, str], set]] = None
 

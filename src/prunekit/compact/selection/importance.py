@@ -58,7 +58,8 @@ def as_group_scorer(importance: Importance) -> Optional[Scorer]:
 
 
 def _grad(owner: torch.nn.Module, leaf: str, mname: str, path: str, name: str) -> Tensor:
-    grad = reparam.stored(owner, leaf).grad
+    t = reparam.stored(owner, leaf)
+    grad = None if t is None else t.grad
     if grad is None:
         raise ValueError(
             f"importance={name!r} needs gradients: '{mname}.{path}' has no .grad; "

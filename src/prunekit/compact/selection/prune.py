@@ -172,7 +172,10 @@ def _write_masks(graph: DependencyGraph, decisions: List[GroupDecision]) -> List
     with atomic() as journal:  # a failure on the third tensor leaves the first two unmasked
         for (mname, path), axes in gone.items():
             owner, leaf = reparam.owner_of(graph.module(mname), path)
-            mask = torch.ones_like(reparam.stored(owner, leaf).detach())
+            stored = reparam.stored(owner, leaf)
+            if stored is None:
+                raise ValueError(f"prunekit.compact: module '{mname}' has no tensor '{path}' to mask")
+            mask = torch.ones_like(stored.detach())
             for axis, parts in axes.items():
                 mask.index_fill_(axis, torch.cat(parts), 0)
             journal.module(owner)

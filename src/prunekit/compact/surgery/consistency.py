@@ -99,13 +99,20 @@ def slot_sizes(handler: ModuleHandler, module: nn.Module, shape_of: Callable[[st
         for e in spec.entries:
             g = groups.setdefault((e.path, e.axis), {})
             g[sname] = g.get(sname, 0) + 1
-    current = {k: current_shape(module, k[0]) for k in groups}
-    groups = {k: g for k, g in groups.items() if current[k] is not None}
+    shapes = {k: current_shape(module, k[0]) for k in groups}
+    current = {k: shape for k, shape in shapes.items() if shape is not None}
+    groups = {k: g for k, g in groups.items() if k in current}
+
+    def new_shape(path: str) -> Tuple[int, ...]:
+        shape = shape_of(path)
+        if shape is None:
+            raise Inconsistent(f"tensor {path!r} has no new shape")
+        return shape
 
     def left(key: Tuple[str, int], mult: Dict[str, int]) -> int:  # new axis size minus what known slots take
         path, axis = key
         rest = current[key][axis] - sum(m * base[s] for s, m in mult.items())
-        return shape_of(path)[axis] - rest - sum(m * known[s] for s, m in mult.items() if s in known)
+        return new_shape(path)[axis] - rest - sum(m * known[s] for s, m in mult.items() if s in known)
 
     known: Dict[str, int] = {}
     progress = True
@@ -117,14 +124,14 @@ def slot_sizes(handler: ModuleHandler, module: nn.Module, shape_of: Callable[[st
                 s = unknown[0]
                 size, r = divmod(left(key, mult), mult[s])
                 if r or not 0 <= size <= base[s]:
-                    raise Inconsistent(f"tensor {key[0]!r} has {shape_of(key[0])[key[1]]} along axis {key[1]}, which no "
+                    raise Inconsistent(f"tensor {key[0]!r} has {new_shape(key[0])[key[1]]} along axis {key[1]}, which no "
                                        f"size of its {s!r} dimension (at most {base[s]}) gives")
                 known[s] = size
                 progress = True
     for key, mult in groups.items():
         if all(s in known for s in mult) and left(key, mult) != 0:
-            raise Inconsistent(f"tensor {key[0]!r} has {shape_of(key[0])[key[1]]} along axis {key[1]}; the module's other "
-                               f"tensors say {shape_of(key[0])[key[1]] - left(key, mult)}")
+            raise Inconsistent(f"tensor {key[0]!r} has {new_shape(key[0])[key[1]]} along axis {key[1]}; the module's other "
+                               f"tensors say {new_shape(key[0])[key[1]] - left(key, mult)}")
     return base, known, {s for s in slots if s not in known}
 
 

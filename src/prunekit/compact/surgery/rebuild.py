@@ -202,8 +202,8 @@ class _Planner:
             raise Inconsistent(f"its compaction handler {type(handler).__name__} fails on it ({type(e).__name__}: {e})") from None
         axes: Dict[str, Set[int]] = {}
         for spec in slots.values():
-            for e in spec.entries:
-                axes.setdefault(e.path, set()).add(e.axis)
+            for slot_entry in spec.entries:
+                axes.setdefault(slot_entry.path, set()).add(slot_entry.axis)
         described: Dict[str, Tuple[int, ...]] = {}
         for path, shape in tensors.items():
             owner, leaf = resolve(module, path)
@@ -351,6 +351,8 @@ def apply_plan(model: nn.Module, plan: RebuildPlan, journal: Journal) -> Set[int
             for path, shape in step.tensors:
                 owner, leaf = reparam.owner_of(module, path)
                 old = tensor_of(owner, leaf)
+                if old is None:
+                    raise Inconsistent(f"module {step.name!r} has no tensor {path!r} to rebuild")
                 new = torch.zeros(shape, dtype=old.dtype, device=old.device)
                 if leaf in owner._parameters:
                     new = nn.Parameter(new, requires_grad=old.requires_grad)

@@ -106,7 +106,7 @@ def shrink_module(
     }
     if replacement is not None:
         entry["class"] = type(replacement).__name__
-        entry["init"] = replacement.init_kwargs()
+        entry["init"] = getattr(replacement, "init_kwargs")()  # replacement classes say how to rebuild them
     return entry
 
 
@@ -143,13 +143,16 @@ def retie(model: nn.Module, tied: List[List[Tuple[str, str]]], journal: Optional
         True
     """
     for places in tied:
-        owners = [_held(model.get_submodule(mname) if mname else model, leaf) for mname, leaf in places]
-        if any(leaf is None for _, leaf in owners):
+        found = [_held(model.get_submodule(mname) if mname else model, leaf) for mname, leaf in places]
+        owners = [(owner, leaf) for owner, leaf in found if leaf is not None]
+        if len(owners) < len(found):
             continue  # gone from a module (a handler built a replacement): nothing to tie
         first = owners[0][0]._parameters[owners[0][1]]
+        if first is None:
+            continue  # a parameter slot set to None: nothing to tie
         for owner, leaf in owners[1:]:
             other = owner._parameters[leaf]
-            if other is first:
+            if other is first or other is None:
                 continue
             if other.shape != first.shape or not torch.equal(other.detach(), first.detach()):
                 names = ", ".join(f"{m}.{leaf}" if m else leaf for m, leaf in places)

@@ -138,9 +138,10 @@ class Group:
                 for j, key in enumerate(names):
                     index[key] = runs.member(torch.arange(start + j, start + count * k, k))
             else:
-                keys = self._units[0].members if self._units else ()
+                units = self._units or []
+                keys = units[0].members if units else ()
                 for key in keys:
-                    parts = [u.members[key] for u in self._units]
+                    parts = [u.members[key] for u in units]
                     counts = torch.tensor([int(p.numel()) for p in parts])
                     index[key] = (torch.cat(parts), torch.repeat_interleave(torch.arange(len(parts)), counts))
             self._index = index
@@ -149,7 +150,7 @@ class Group:
     def __eq__(self, other: object) -> bool:
         if other.__class__ is not self.__class__:
             return NotImplemented
-        return (self.slots, self.units, self.blocked) == (other.slots, other.units, other.blocked)  # type: ignore[attr-defined]
+        return (self.slots, self.units, self.blocked) == (other.slots, other.units, other.blocked)
 
     def __repr__(self) -> str:
         names = ", ".join(f"{m}.{s}" for m, s in self.slots[:6])

@@ -38,15 +38,29 @@ __all__ = ["RULES", "OpRules", "Rule"]
 class OpRules:
     """The op rules, mixed into :class:`~prunekit.compact.trace.tracer.Tracer` (they use its shadows and union-find)."""
 
-    # provided by Tracer
+    # provided by Tracer (its attributes, and below its methods the rules call)
     running: List[str]
     parts: List[Tuple[Tensor, str]]
     through_call: Callable[[str, tuple, dict, Any], bool]
     shadows: Dict[int, Tuple[Any, Tensor, Tensor]]
     uf: "UnionFind"
     last_op: str
-    where: str
     consts: Dict[int, Any]
+
+    if TYPE_CHECKING:  # pragma: no cover
+
+        @property
+        def where(self) -> str: ...
+        def shadow(self, t: Any) -> Optional[Tensor]: ...
+        def entry_of(self, t: Tensor) -> Optional[Tuple[Any, Tensor, Tensor]]: ...
+        def consts_of(self, t: Any) -> Optional[ConstMap]: ...
+        def set_consts(self, t: Tensor, cm: Optional[ConstMap]) -> None: ...
+        def set_shadow(
+            self, t: Tensor, s: Optional[Tensor], canonical: bool = False, labeled: bool = False,
+            core: Optional[Tensor] = None,
+        ) -> None: ...
+        def union(self, a: Tensor, b: Tensor) -> None: ...
+        def block(self, ids: Any, reason: str) -> None: ...
 
     def on_op(self, func: Any, args: tuple, kwargs: dict, out: Any, name: Optional[str] = None) -> None:
         """Move the labels (and known constants) of ``func(*args, **kwargs)``'s inputs to its output ``out``."""
@@ -139,11 +153,12 @@ class OpRules:
                 self.set_consts(out, keep_zeros(cm))
         elif len(labeled) == 2 and not others:
             (wa, ka, a), (wb, kb, b) = labeled
-            sa, sb = self.shadow(a), self.shadow(b)
+            sa, sb = self._labels(a), self._labels(b)
             shape = out.shape
             full = [s.expand(shape) if s.shape != shape else s for s in (sa, sb)]
             ca, cb = (c.reshape(-1) for c in lbl.squeeze_constant(*full))
             va, vb = lookup(self.consts_of(a), ca), lookup(self.consts_of(b), cb)
+            res: Optional[Tensor]
             if base in _PRODUCTS:
                 res = va * vb
                 res[(va == 0) | (vb == 0)] = 0.0  # zero times anything finite
@@ -160,13 +175,20 @@ class OpRules:
         for o in outs:
             self.set_shadow(o, None)
 
-    def _operand(self, a: Any, shape: torch.Size) -> Tuple[Optional[Tensor], Optional[torch.Size]]:
+    def _operand(self, a: Any, shape: torch.Size) -> Optional[Tuple[Tensor, torch.Size]]:
         if isinstance(a, Tensor):
             s = self.shadow(a)
             if s is None:
                 s = lbl.fixed(a.shape)
             return s, a.shape
-        return None, None
+        return None
+
+    def _labels(self, t: Any) -> Tensor:
+        """The shadow of ``t``; a RuntimeError when it has none (the rule does not apply: on_op blocks the op)."""
+        s = self.shadow(t)
+        if s is None:
+            raise RuntimeError(f"no channel labels on an operand of {self.last_op}")
+        return s
 
     # ---- the rules (one per op table: see RULES below)
     def _pointwise(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
@@ -183,8 +205,7 @@ class OpRules:
             return
         if len(tensors) == 2 and self._same_labels_add(tensors[0], tensors[1], shape, out):
             return
-        operands = [self._operand(a, shape) for a in list(args) + list(kwargs.values())]
-        operands = [(s, sh) for s, sh in operands if s is not None]
+        operands = [op for op in (self._operand(a, shape) for a in list(args) + list(kwargs.values())) if op is not None]
         # stored shadows always hold an id >= 0; tensors without one got the all -1 lbl.fixed()
         labeled = [(s, sh) for s, sh in operands if not lbl.is_fixed(s)]
         if not labeled:
@@ -326,7 +347,7 @@ class OpRules:
         self.set_shadow(out, res)
 
     def _softmax(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
-        s = self.shadow(args[0])
+        s = self._labels(args[0])
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         if dim is None or not isinstance(out, Tensor):
             raise RuntimeError("softmax without dim")
@@ -337,7 +358,7 @@ class OpRules:
             self.set_shadow(out, s, canonical=True)
 
     def _reduce(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
-        s = self.shadow(args[0])
+        x = args[0]
         dim = kwargs.get("dim", args[1] if len(args) > 1 and not isinstance(args[1], bool) else None)
         keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False)
         value = out[0] if isinstance(out, tuple) else out
@@ -345,6 +366,7 @@ class OpRules:
             return
         if name in ("norm",) and dim is None and len(args) > 2:
             dim = args[2]
+        s = self._labels(x)
         dims = list(range(s.dim())) if dim is None else ([dim] if isinstance(dim, int) else list(dim))
         dims = sorted({d % s.dim() for d in dims})
         varying = lbl.varying_dims(s)
@@ -364,7 +386,7 @@ class OpRules:
                 self.set_shadow(o, None)
 
     def _pool(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
-        s = self.shadow(args[0])
+        s = self._labels(args[0])
         value = out[0] if isinstance(out, tuple) else out
         if s.dim() < 2:
             raise RuntimeError("pool on 1-d")
@@ -441,9 +463,9 @@ class OpRules:
             self.block(rows, f"op '{name}' in module '{self.where}' forms an outer product of channels")
             self.block(cols, f"op '{name}' in module '{self.where}' forms an outer product of channels")
             return None
-        if rl:
+        if rl and rows is not None:
             return rows.expand(out.shape)
-        if cl:
+        if cl and cols is not None:
             return cols.expand(out.shape)
         return None
 

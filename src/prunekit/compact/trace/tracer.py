@@ -54,7 +54,7 @@ class Tracer(OpRules):
         self.exact = exact
         self.options: Dict[str, Any] = dict(options or {})
         self.uf = UnionFind()
-        self.shadows: Dict[int, Tuple[Tensor, Tensor]] = {}
+        self.shadows: Dict[int, Tuple[Any, Tensor, Tensor]] = {}  # id -> (weak ref, shadow, core)
         self.slots: Dict[Tuple[str, str], SlotInfo] = {}
         self.handlers: Dict[str, Any] = {}
         # handled modules whose forward replaces the handler's (followed op by op), and those running now
@@ -113,8 +113,7 @@ class Tracer(OpRules):
             info = SlotInfo(module_name, slot_name, self.uf.add(spec.size), spec)
             self.slots[key] = info
             if spec.tie > 1:  # heads / norm groups: consecutive blocks move together
-                ids = torch.arange(info.start, info.start + spec.size).view(-1, spec.tie)
-                self.tie(ids)
+                self.tie(torch.arange(info.start, info.start + spec.size).view(-1, spec.tie))
         ids = self._slot_ids.get(key)
         if ids is None:
             end = info.start + info.spec.size
@@ -562,7 +561,7 @@ class _TracingMode(TorchFunctionMode):
             out = func(*args, **kwargs)
         except Exception as exc:
             if not hasattr(exc, "_prunekit_op"):
-                exc._prunekit_op = self._name_of(func)  # the innermost failing op names the error
+                setattr(exc, "_prunekit_op", self._name_of(func))  # the innermost failing op names the error
             raise
         tracer = self._tracer
         if tracer.leaf_depth == 0:  # inside a leaf its handler speaks for the ops

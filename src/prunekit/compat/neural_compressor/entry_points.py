@@ -7,7 +7,7 @@ import os
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
-from torch import nn
+from torch import Tensor, nn
 
 from ...training import PruningCallbacks, prepare_pruning as _prepare_pruning
 from .config import NCConfig, load_config
@@ -164,10 +164,13 @@ class Pruning:
                 zero_units += int(pruned.sum())
             if units:
                 block_zeros += int(numel * (zero_units / units))
-        lc = sum(m.weight.numel() for m in self.model.modules()
-                 if (type(m).__name__ == "Linear" or re.search(r"Conv.d", type(m).__name__))
-                 and getattr(m, "weight", None) is not None)
-        params = sum(p.numel() for p in self.model.parameters())
+        model = self.model
+        if model is None:  # callbacks are built on a model
+            raise ValueError("Pruning.get_sparsity_ratio(): pruning.model is None; set it to the pruned model")
+        weights = [getattr(m, "weight", None) for m in model.modules()
+                   if type(m).__name__ == "Linear" or re.search(r"Conv.d", type(m).__name__)]
+        lc = sum(w.numel() for w in weights if isinstance(w, Tensor))
+        params = sum(p.numel() for p in model.parameters())
         return (zeros / lc if lc else 0.0, zeros / params if params else 0.0, block_zeros / lc if lc else 0.0)
 
     def __repr__(self) -> str:

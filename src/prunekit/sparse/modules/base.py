@@ -58,6 +58,8 @@ def _threads(n: int) -> Iterator[None]:
 class SparseInferenceModule(nn.Module):
     """Common base: keeps the replaced module (optionally) and rebuilds a dense twin."""
 
+    _original: Optional[nn.Module]  # set with object.__setattr__: not a registered submodule
+
     def __init__(self, original: Optional[nn.Module]) -> None:
         super().__init__()
         # Not a registered submodule: it must not appear in state_dict() or

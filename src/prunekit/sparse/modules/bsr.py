@@ -37,12 +37,19 @@ class BSRLinear(SparseInferenceModule):
         (16, True)
     """
 
+    # buffers (registered in __init__)
+    block_rows: torch.Tensor
+    block_cols: torch.Tensor
+    values: torch.Tensor
+    bias: Optional[torch.Tensor]
+
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], original: Optional[nn.Module] = None,
                  *, block: Tuple[int, int] = (4, 1), threads: int = 0) -> None:
         super().__init__(original)
-        block = tuple(block)
-        if block not in ((4, 1), (1, 4)):
-            raise ValueError(f"BSRLinear: block={block!r}; use (4, 1) or (1, 4)")
+        given = tuple(block)  # a list is fine too
+        if given not in ((4, 1), (1, 4)):
+            raise ValueError(f"BSRLinear: block={given!r}; use (4, 1) or (1, 4)")
+        block = (given[0], given[1])
         _check_policy("BSRLinear", "prunekit", threads)
         reason = bsr_unsupported_reason(weight, block)
         if reason:

@@ -34,6 +34,13 @@ class ChannelLinear(SparseInferenceModule):
         ((4, 5), True)
     """
 
+    # buffers (registered in __init__)
+    rows: torch.Tensor
+    cols: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    kept_bias: Optional[torch.Tensor]
+
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  original: Optional[nn.Module] = None) -> None:
         super().__init__(original)

@@ -30,6 +30,11 @@ def _csr_parts(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.
 class _CSRWeight(SparseInferenceModule):
     """Holds a 2-D weight as CSR buffers; multiplies with its policy's kernel and thread count."""
 
+    # buffers (registered in __init__)
+    crow_indices: torch.Tensor
+    col_indices: torch.Tensor
+    values: torch.Tensor
+
     def __init__(self, weight2d: torch.Tensor, original: Optional[nn.Module], kernel: str = "torch",
                  threads: int = 0) -> None:
         super().__init__(original)
@@ -112,6 +117,8 @@ class CSRLinear(_CSRWeight):
         True
     """
 
+    bias: Optional[torch.Tensor]  # a buffer
+
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  original: Optional[nn.Module] = None, *, kernel: str = "torch", threads: int = 0) -> None:
         if weight.dim() != 2:
@@ -174,17 +181,20 @@ class CSRConv2d(_CSRWeight):
         True
     """
 
+    bias: Optional[torch.Tensor]  # a buffer
+
     def __init__(self, conv: nn.Conv2d, weight: torch.Tensor, keep_original: bool = True, *,
                  kernel: str = "torch", threads: int = 0) -> None:
         reason = conv2d_unsupported_reason(conv)
-        if reason:
+        padding = conv.padding
+        if reason or isinstance(padding, str):  # a string padding is one of the reasons
             raise ValueError(f"CSRConv2d: {reason}")
         super().__init__(weight.reshape(weight.shape[0], -1), conv if keep_original else None, kernel, threads)
         self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
-        self.kernel_size = tuple(conv.kernel_size)
-        self.stride = tuple(conv.stride)
-        self.padding = tuple(conv.padding)
-        self.dilation = tuple(conv.dilation)
+        self.kernel_size = _pair(conv.kernel_size)
+        self.stride = _pair(conv.stride)
+        self.padding = _pair(padding)
+        self.dilation = _pair(conv.dilation)
         self.register_buffer("bias", None if conv.bias is None else conv.bias.detach().clone())
 
     @classmethod
@@ -219,7 +229,7 @@ class CSRConv2d(_CSRWeight):
                          device=self.values.device, dtype=self.values.dtype)
         with torch.no_grad():
             conv.weight.copy_(self.dense_weight().reshape(conv.weight.shape))
-            if self.bias is not None:
+            if self.bias is not None and conv.bias is not None:
                 conv.bias.copy_(self.bias)
         return conv
 
@@ -227,6 +237,11 @@ class CSRConv2d(_CSRWeight):
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
                 f"stride={self.stride}, padding={self.padding}, dilation={self.dilation}, nnz={self.nnz}, "
                 f"policy={self.policy}")
+
+
+def _pair(v: Tuple[int, ...]) -> Tuple[int, int]:
+    """A Conv2d's ``(height, width)`` setting (kernel size, stride, padding, dilation)."""
+    return (v[0], v[1])
 
 
 def conv2d_unsupported_reason(conv: nn.Conv2d) -> str:
