@@ -71,14 +71,20 @@ class ModuleState:
         self.after_restore = after_restore
 
     def restore(self) -> None:
-        """Put the recorded structure back (the same objects), then run ``after_restore``."""
+        """Put the recorded structure back (the same objects; the train/eval flag as it is now), then run
+        ``after_restore``."""
         m = self.module
         if type(m) is not self.cls:
             m.__class__ = self.cls
-        # drop the new keys, then re-assign the old: the attribute dict is never empty meanwhile
+        # drop the new keys, then re-assign the old: the attribute dict is never empty meanwhile. The
+        # train/eval flag stays as it is: a call that changes modes puts them back in its own cleanup
+        # (run_then_clean), which may run before this rollback -- a record taken in eval mode must not win.
+        training = m.__dict__.get("training")
         for key in [k for k in m.__dict__ if k not in self.attrs]:
             del m.__dict__[key]
         m.__dict__.update(self.attrs)
+        if training is not None:
+            m.__dict__["training"] = training
         tables: List[Tuple[Dict[Any, Any], Dict[Any, Any]]] = [
             (m._parameters, self.params),
             (m._buffers, self.buffers),

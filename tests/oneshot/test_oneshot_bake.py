@@ -137,3 +137,36 @@ def test_bake_and_disk_to_disk_with_the_blocks_on_cuda(tmp_path):
     assert [x.pruned for x in rd.layers] == [x.pruned for x in r.layers]
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_scratch_files_are_closed_when_the_call_returns_or_fails(monkeypatch, tmp_path, fail):
+    from prunekit.io import writer
+    from prunekit.oneshot import undo
+
+    files = []
+    real = writer.unnamed_file
+
+    def unnamed_file(directory):
+        files.append(real(directory))
+        return files[-1]
+
+    real_keep = undo.OriginalsSpool.keep
+
+    def keep(self, tensors):
+        step = real_keep(self, tensors)
+        if fail and len(files) == 2:
+            raise RuntimeError("stop in the second block")
+        return step
+
+    monkeypatch.setattr(undo, "unnamed_file", unnamed_file)
+    monkeypatch.setattr(undo.OriginalsSpool, "keep", keep)
+    model = _llama(torch.bfloat16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        prunekit.oneshot(model, _batches(), method="wanda", masks="bake", scratch_dir=tmp_path)
+    except RuntimeError:
+        assert fail
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert len(files) == (2 if fail else 3)
+    assert all(f.closed for f in files)

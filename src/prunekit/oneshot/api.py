@@ -201,6 +201,7 @@ def oneshot(
                      ignore=ignore, tokenizer=tokenizer, blocks=blocks, device=device, batch_size=batch_size,
                      max_length=max_length, options=options, progress=progress, group=group, routers=routers)
     walk = plan.walk
+    # on success the spool's scratch files close as it is dropped, on the return (see OriginalsSpool)
     spool = OriginalsSpool(scratch_dir) if (masks == "bake" or method not in ("magnitude", "wanda")) else None
     txn = Transaction(after_restore)
     walk.cycle = InMemoryCycle(txn, spool, masks == "bake")
@@ -213,10 +214,9 @@ def oneshot(
         return walk.report  # inside the try: an interrupt anywhere before the return rolls everything back
     except BaseException:
         txn.rollback()
-        raise
-    finally:
         if spool is not None:
             spool.close()
+        raise
 
 
 @dataclass

@@ -7,8 +7,10 @@ left behind, whatever ends the process), and hands back the undo step that
 reads them back into the very same tensors. The steps go into the call's
 :class:`~prunekit.transaction.Transaction` with the modules' structure, so a
 failure in block ``k`` -- ``KeyboardInterrupt`` included -- restores blocks
-``k, k-1, ..., 0`` from their files and the model is what it was. On success
-the files are closed and their space freed.
+``k, k-1, ..., 0`` from their files and the model is what it was. The files
+are closed, and their space freed, by :meth:`~OriginalsSpool.close` or as soon as
+the spool is no longer referenced (a successful call just drops it: nothing runs
+between its last change and its return that a failure could cut short).
 
 Memory: nothing beyond the tensor being written or read; disk: the bytes of
 the layers whose values change (every pruned layer with ``masks="bake"``).
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import weakref
 from typing import IO, Any, Callable, Dict, List, Optional
 
 import torch
@@ -53,6 +56,7 @@ class OriginalsSpool:
                              "with room for the pruned layers' original weights)")
         self._files: List[IO[bytes]] = []
         self.bytes = 0
+        weakref.finalize(self, _close_all, self._files)  # dropped unclosed: the files still go
 
     def keep(self, tensors: Dict[str, Tensor]) -> Callable[[], None]:
         """Write ``tensors`` (name -> the tensor itself) to a new scratch file; return the undo step that
@@ -72,11 +76,15 @@ class OriginalsSpool:
 
     def close(self) -> None:
         """Close every scratch file (their space is freed)."""
-        while self._files:
-            self._files.pop().close()
+        _close_all(self._files)
 
     def __enter__(self) -> "OriginalsSpool":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _close_all(files: List[IO[bytes]]) -> None:
+    while files:
+        files.pop().close()
