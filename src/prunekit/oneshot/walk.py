@@ -356,14 +356,16 @@ def _share_result(t: Target, res: Optional[Solved], src: int, writes_weights: bo
     shape = (t.out_features, t.in_features)
     dev = t.param.device
     keep = res[1] if res is not None else torch.empty(shape, dtype=torch.bool, device=dev)
-    new = res[0] if res is not None else (torch.empty(shape, dtype=torch.float32, device=dev) if writes_weights
-                                          else None)
-    nums = torch.tensor([float("nan") if res is None or res[2] is None else res[2], 0.0 if res is None else res[3]],
-                        dtype=torch.float64)
+    new = res[0] if res is not None else None
+    # error (NaN: none), seconds, and whether new weights follow (a layer no token reached has none)
+    nums = torch.tensor([float("nan") if res is None or res[2] is None else res[2], 0.0 if res is None else res[3],
+                         float(new is not None)], dtype=torch.float64)
     w.par.share_tensor(keep, src)
-    if writes_weights:
-        w.par.share_tensor(new, src)
     w.par.share_tensor(nums, src)
+    if writes_weights and bool(nums[2]):
+        if new is None:
+            new = torch.empty(shape, dtype=torch.float32, device=dev)
+        w.par.share_tensor(new, src)
     error = None if nums[0].isnan() else float(nums[0])
     return new, keep, error, float(nums[1])
 
