@@ -83,6 +83,22 @@ def oneshot_prunekit(rank, world):
     _compare("prunekit-fast", masks="bake", dtype=torch.bfloat16)
 
 
+def oneshot_moe_unseen_experts(rank, world):
+    """Experts no calibration token reaches (pruned by magnitude, no new weights) on every rank."""
+    import shrink_models as S
+
+    base = S.build_zoo("mixtral")
+    batches = [{"input_ids": torch.tensor([[5]])} for _ in range(4)]  # one token, 2 of 4 experts: 2 see nothing
+    for method in ("sparsegpt", "prunekit"):
+        alone, shared = copy.deepcopy(base), copy.deepcopy(base)
+        ra = prunekit.oneshot(alone, batches, method=method, sparsity=0.5)
+        rs = prunekit.oneshot(shared, batches, method=method, sparsity=0.5, group=True)
+        unseen = [x.name for x in ra.layers if ".experts." in x.name and x.error is None]
+        assert len(unseen) >= 2, f"{method}: every expert saw a token ({unseen})"
+        _same(_state(shared), _state(alone), f"{method} with unseen experts")
+        assert _report(rs) == _report(ra), f"{method}: the reports differ"
+
+
 def oneshot_refusals(rank, world):
     model = _llama()
     before = _state(model)

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.hf,
                                  reason="torch.distributed with gloo is not available")]
 
 SCENARIOS = ["oneshot_sparsegpt", "oneshot_wanda_and_magnitude", "oneshot_prunekit", "oneshot_refusals",
-             "oneshot_folder_shared"]
+             "oneshot_folder_shared", "oneshot_moe_unseen_experts"]
 _RESULTS = {}
 
 

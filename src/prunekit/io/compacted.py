@@ -248,7 +248,7 @@ class _SealingWriter:
 
 def _sealed_save(obj: Any, f: Any) -> None:
     w = _SealingWriter(f)
-    torch.save(obj, w)
+    torch.save(obj, w)  # type: ignore[arg-type]  # torch.save takes any object with write and flush
     w.finish()
 
 

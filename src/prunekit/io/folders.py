@@ -18,7 +18,7 @@ import os
 import secrets
 import shutil
 import sys
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 from .writer import _TMP_MARK, PathLike, _despite_interrupts, _fsync_dir, _oserror_for, resolve_target
 
@@ -36,14 +36,13 @@ _swap_fn: "list[Any]" = []
 def _swap_function() -> Any:
     """libc's call that swaps two names in one step (``renameat2``/``renamex_np``), or None."""
     if not _swap_fn:
-        fn = None
+        fn: Optional[Callable[[bytes, bytes], int]] = None
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             if sys.platform.startswith("linux") and hasattr(libc, "renameat2"):
-                fn = libc.renameat2
-                fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-                fn.restype = ctypes.c_int
-                raw = fn
+                raw = libc.renameat2
+                raw.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+                raw.restype = ctypes.c_int
                 fn = lambda a, b: raw(_AT_FDCWD, a, _AT_FDCWD, b, _RENAME_EXCHANGE)  # noqa: E731
             elif sys.platform == "darwin" and hasattr(libc, "renamex_np"):
                 raw = libc.renamex_np

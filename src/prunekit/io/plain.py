@@ -107,7 +107,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data  # a memoryview of the bytes, not a copy
 
 
 def stream_safetensors(f: IO[bytes], tensors: Mapping[str, torch.Tensor],

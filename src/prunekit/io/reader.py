@@ -32,7 +32,7 @@ import errno
 import json
 import os
 import stat
-from typing import IO, Any, Dict, List, Optional, Sequence, Tuple, Type
+from typing import IO, Any, Dict, List, Optional, Sequence, Tuple, Type, cast
 
 
 from .errors import UnreadableFileError
@@ -323,7 +323,7 @@ def _yaml_loader(mapping_tags: Tuple[str, ...], max_depth: int = _MAX_DEPTH) -> 
                 return base.fetch_flow_collection_start(ld, token_class)
 
             body["fetch_flow_collection_start"] = fetch_flow_collection_start
-        loader = type("PrunekitYamlLoader", (base,), body)
+        loader = cast(Any, type("PrunekitYamlLoader", (base,), body))  # pyyaml is untyped: its loaders are Any
 
         def as_dict(ld: Any, node: Any) -> Dict[Any, Any]:
             if not isinstance(node, yaml.MappingNode):

@@ -6,9 +6,10 @@ tensors read one at a time without trusting any offset or shape the header claim
 
 from __future__ import annotations
 
+import io
 import math
 import os
-from typing import IO, Any, Dict, List, Tuple, Type
+from typing import IO, Any, Dict, List, Tuple, Type, cast
 
 import torch
 
@@ -170,9 +171,11 @@ def read_safetensors_tensor(f: IO[bytes], header: SafetensorsHeader, key: str) -
     buf = bytearray(n)
     f.seek(header.data_start + begin)
     view = memoryview(buf)
+    # every binary file (and BytesIO) has readinto, though typing.IO does not declare it
+    readinto = cast(io.BufferedIOBase, f).readinto
     got = 0
     while got < n:
-        k = f.readinto(view[got:])
+        k = readinto(view[got:])
         if not k:
             raise UnreadableFileError(f"{header.path}: truncated while reading tensor {key!r}")
         got += k

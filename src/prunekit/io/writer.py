@@ -258,9 +258,8 @@ def atomic_write(path: PathLike, mode: str = "wb", *, encoding: Optional[str] = 
         raise ValueError(f"atomic_write: mode {mode!r} is not supported; use 'wb' (bytes) or 'w' (text)")
     user_path = os.fspath(path)
     with atomic_path(user_path) as tmp:
-        kwargs = {"encoding": encoding or "utf-8"} if mode == "w" else {}
         try:
-            f = open(tmp, mode, **kwargs)
+            f = open(tmp, mode, encoding=(encoding or "utf-8") if mode == "w" else None)
         except OSError as exc:
             raise _oserror_for(exc, user_path) from None
         with f:

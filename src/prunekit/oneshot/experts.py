@@ -79,6 +79,7 @@ def eager_experts(m: nn.Module, lay: ExpertsLayout, hidden: Tensor, index: Tenso
         >>> eager_experts(m, experts_layout(m), x, torch.tensor([[0], [1]]), torch.ones(2, 1)).tolist()
         [[12.0, 12.0, 12.0, 12.0], [12.0, 12.0, 12.0, 12.0]]
     """
+    hf: Any = m  # a transformers experts module: act_fn, _apply_gate and post_expert_norm are its own
     out = torch.zeros_like(hidden)
     up, down = _value(m, lay.up), _value(m, "down_proj")
     up_b = _value(m, lay.up + "_bias") if lay.bias else None
@@ -92,21 +93,22 @@ def eager_experts(m: nn.Module, lay: ExpertsLayout, hidden: Tensor, index: Tenso
             tap(lay.up, e, x, tokens)
         h = _linear(x, up[e], None if up_b is None else up_b[e], lay.transposed)
         if not lay.gated:
-            h = m.act_fn(h)
+            h = hf.act_fn(h)
         else:
-            h = m._apply_gate(h) if hasattr(m, "_apply_gate") else _default_gate(m, h)
+            h = hf._apply_gate(h) if hasattr(m, "_apply_gate") else _default_gate(m, h)
         if tap is not None:
             tap("down_proj", e, h, tokens)
         y = _linear(h, down[e], None if down_b is None else down_b[e], lay.transposed)
         if getattr(m, "has_post_expert_norm", False):
-            y = m.post_expert_norm(y)
+            y = hf.post_expert_norm(y)
         out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(out.dtype))
     return out
 
 
 def _default_gate(m: nn.Module, h: Tensor) -> Tensor:
+    act_fn: Any = m.act_fn  # the experts module's activation (a module or a function)
     gate, up = h.chunk(2, dim=-1)
-    return m.act_fn(gate) * up
+    return act_fn(gate) * up
 
 
 def _call_args(m: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tensor, Tensor, Tensor]:

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from .. import reparam
 from ..importance import ActivationStats
 from ..methods import custom_from_mask
+from ..reparam._internal import orig_and_mask
 from .blocks import (BlockInput, Chain, block_output, capture_block_inputs, find_chain, on_device, run_block,
                      stack_starts)
 from .experts import Routes
@@ -113,7 +114,7 @@ def walk_blocks(model: nn.Module, block_list: Blocks, layers: List[Target], batc
                 t0 = time.perf_counter()
                 keep = magnitude_prune(t.matrix().detach(), w.sparsity, w.nm)
                 write(t, keep, None, w.bake)
-                w.report.layers.append(LayerResult(t.name, t.block, tuple(t.matrix().shape), int((~keep).sum()),
+                w.report.layers.append(LayerResult(t.name, t.block, (t.out_features, t.in_features), int((~keep).sum()),
                                                    keep.numel(), None, time.perf_counter() - t0))
             w.cycle.leave(bi, bname, block, mine)
             if w.progress is not None:
@@ -142,7 +143,7 @@ def walk_blocks(model: nn.Module, block_list: Blocks, layers: List[Target], batc
                     _prune_block_sequential(block, dense_block, mine, inputs, dense_inputs, w)
                 else:
                     _prune_block_faithful(block, mine, inputs, w)
-            if paired:
+            if dense_inputs is not None:  # paired: the dense stream runs beside the pruned one
                 dense_next = run_block(dense_block if dense_block is not None else block, dense_inputs, chain=chain)
                 if mine and w.opts.get("tune_epochs"):
                     _tune_block(block, mine, inputs, dense_next, w.opts["tune_epochs"], w.opts["tune_lr"])
@@ -200,9 +201,10 @@ def write(t: Target, keep: Tensor, new: Optional[Tensor], bake: bool = False) ->
     if t.expert is not None:
         if not reparam.is_masked(t.module, t.tensor):
             custom_from_mask(t.module, t.tensor, torch.ones_like(p))
+        orig, masks = orig_and_mask(t.module, t.tensor)
         with torch.no_grad():
-            reparam.get_mask(t.module, t.tensor)[t.expert].copy_(mask)
-        p, mask = t.param[t.expert], reparam.get_mask(t.module, t.tensor)[t.expert]
+            masks[t.expert].copy_(mask)
+        p, mask = orig[t.expert], masks[t.expert]
     else:
         custom_from_mask(t.module, t.tensor, mask)
         p = t.param
@@ -309,10 +311,11 @@ def _gather(block: nn.Module, groups: List[List[Target]], inputs: List[BlockInpu
                     continue
                 r: Tuple[Tensor, ...] = (x,)
                 if xds is not None:
-                    if xds[k] is None:
+                    xd = xds[k]
+                    if xd is None:
                         raise ValueError(f"the dense copy of the block never called {groups[k][0].name!r}, which the "
                                          "pruned block called, on one calibration batch")
-                    r = r + (xds[k],)
+                    r = r + (xd,)
                 rows[k] = r
         for k in range(len(groups)):
             w.par.deliver(w.par.owner(k), rows[k], adders[k])
@@ -353,14 +356,16 @@ def _share_result(t: Target, res: Optional[Solved], src: int, writes_weights: bo
     shape = (t.out_features, t.in_features)
     dev = t.param.device
     keep = res[1] if res is not None else torch.empty(shape, dtype=torch.bool, device=dev)
-    new = res[0] if res is not None else (torch.empty(shape, dtype=torch.float32, device=dev) if writes_weights
-                                          else None)
-    nums = torch.tensor([float("nan") if res is None or res[2] is None else res[2], 0.0 if res is None else res[3]],
-                        dtype=torch.float64)
+    new = res[0] if res is not None else None
+    # error (NaN: none), seconds, and whether new weights follow (a layer no token reached has none)
+    nums = torch.tensor([float("nan") if res is None or res[2] is None else res[2], 0.0 if res is None else res[3],
+                         float(new is not None)], dtype=torch.float64)
     w.par.share_tensor(keep, src)
-    if writes_weights:
-        w.par.share_tensor(new, src)
     w.par.share_tensor(nums, src)
+    if writes_weights and bool(nums[2]):
+        if new is None:
+            new = torch.empty(shape, dtype=torch.float32, device=dev)
+        w.par.share_tensor(new, src)
     error = None if nums[0].isnan() else float(nums[0])
     return new, keep, error, float(nums[1])
 
@@ -497,9 +502,8 @@ def _tune_block(block: nn.Module, mine: List[Target], inputs: List[BlockInput], 
                 epochs: int, lr: float) -> None:
     """A few epochs of Adam on the kept weights (and biases) of ``mine``: the block's output on the pruned
     model's inputs fitted to the dense block's output on the dense model's inputs (padding left out)."""
-    params = list({id(p): p for p in [t.param for t in mine] + [t.module.bias for t in mine if t.expert is None
-                                                                 and getattr(t.module, "bias", None) is not None]
-                   }.values())
+    biases = [getattr(t.module, "bias", None) for t in mine if t.expert is None]
+    params = list({id(p): p for p in [t.param for t in mine] + [b for b in biases if b is not None]}.values())
     flags = [p.requires_grad for p in params]
     others = [p for p in block.parameters() if all(p is not q for q in params)]
     other_flags = [p.requires_grad for p in others]
@@ -528,4 +532,4 @@ def _tune_block(block: nn.Module, mine: List[Target], inputs: List[BlockInput], 
             p.requires_grad_(f)
         with torch.no_grad():
             for t in mine:
-                reparam.masked(t.param, reparam.get_mask(t.module, t.tensor), inplace=True)
+                reparam.masked(*orig_and_mask(t.module, t.tensor), inplace=True)

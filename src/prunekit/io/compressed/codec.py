@@ -266,6 +266,17 @@ class _Plan:
     """One validated index entry: what to read (stored key -> expected tag and shape) and how to rebuild."""
 
     __slots__ = ("name", "dtype", "shape", "numel", "encoding", "storage", "nnz", "neg_zeros", "sha256", "parts", "of")
+    name: str
+    dtype: Optional[torch.dtype]  # None for an alias, as are shape, storage, nnz, neg_zeros and sha256
+    shape: Optional[List[int]]
+    numel: int
+    encoding: str  # "dense", "sparse", "binary" or "alias"
+    storage: Optional[str]  # "native" or "raw"; None for "binary"
+    nnz: Optional[int]  # None for "dense"
+    neg_zeros: Optional[int]  # None unless a "sparse" entry stores zero signs
+    sha256: Optional[str]
+    parts: Dict[str, Tuple[str, List[int]]]  # stored key -> (safetensors tag, shape)
+    of: Optional[str]  # the name of the tensor an alias is; None exactly when the encoding is not "alias"
 
     def __init__(self, **kw: Any) -> None:
         self.of = None  # the entry an alias (a tied tensor) is
@@ -273,36 +284,41 @@ class _Plan:
             setattr(self, k, v)
 
 
-def _from_storable(stored: torch.Tensor, storage: str, dtype: torch.dtype) -> torch.Tensor:
+def _from_storable(stored: torch.Tensor, storage: Optional[str], dtype: torch.dtype) -> torch.Tensor:
     return stored.view(dtype) if storage == "raw" else stored
 
 
 def _decode(plan: _Plan, get: Any, path: str) -> torch.Tensor:
     where = f"{path}: tensor {plan.name!r}"
-    dtype, numel = plan.dtype, plan.numel
+    dtype, shape, numel, nnz = plan.dtype, plan.shape, plan.numel, plan.nnz
+    assert dtype is not None and shape is not None, "an alias has nothing to decode"
     if plan.encoding == "dense":
-        out = _from_storable(get(plan.name), plan.storage, dtype).reshape(plan.shape)
+        out = _from_storable(get(plan.name), plan.storage, dtype).reshape(shape)
     else:
+        assert nnz is not None, "the reader sets nnz of every bitmask entry"
         flags, padding_clean = _unpack_bits(get(plan.name + _BITMASK_SUFFIX), numel)
         found = int(torch.count_nonzero(flags))
-        if found != plan.nnz or not padding_clean:
-            raise _damaged(f"{where}: bitmask marks {found} non-zeros, the index says {plan.nnz}")
+        if found != nnz or not padding_clean:
+            raise _damaged(f"{where}: bitmask marks {found} non-zeros, the index says {nnz}")
         template = torch.zeros(numel, dtype=dtype)
         words = _words(template)
         if plan.encoding == "binary":
-            words.masked_scatter_(flags.unsqueeze(1), _one_word(dtype).expand(plan.nnz, -1))
+            one = _one_word(dtype)
+            assert one is not None, "the reader refuses a binary entry of a dtype without a one"
+            words.masked_scatter_(flags.unsqueeze(1), one.expand(nnz, -1))
         else:
             values = _from_storable(get(plan.name + _VALUES_SUFFIX), plan.storage, dtype)
             words.masked_scatter_(flags.unsqueeze(1), _words(values.contiguous()))
             if plan.neg_zeros is not None:
                 neg_zero = _neg_zero_word(dtype)
-                sign_flags, sign_clean = _unpack_bits(get(plan.name + _SIGNS_SUFFIX), numel - plan.nnz)
+                assert neg_zero is not None, "the reader refuses zero signs of a dtype without -0.0"
+                sign_flags, sign_clean = _unpack_bits(get(plan.name + _SIGNS_SUFFIX), numel - nnz)
                 if int(torch.count_nonzero(sign_flags)) != plan.neg_zeros or not sign_clean:
                     raise _damaged(f"{where}: zero-sign bitmask does not match the index")
                 negative = torch.zeros(numel, dtype=torch.bool).masked_scatter_(~flags, sign_flags)
                 for j in range(words.shape[1]):
                     words[:, j].masked_fill_(negative, neg_zero[j])
-        out = template.reshape(plan.shape)
+        out = template.reshape(shape)
     if _sha256(out) != plan.sha256:
         raise _damaged(f"{where}: checksum mismatch")
     return out

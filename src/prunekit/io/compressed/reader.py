@@ -133,8 +133,8 @@ def _plan_entry(entry: Any, path: str, position: int) -> _Plan:
     plan = _Plan(name=name, dtype=dtype, shape=shape, numel=numel, encoding=encoding, storage=None, nnz=None,
                  neg_zeros=None, sha256=sha, parts={})
     if encoding == "dense":
-        plan.storage = entry["storage"]
-        plan.parts[name] = _stored_form(dtype, plan.storage, numel, shape, where)
+        plan.storage = storage = entry["storage"]
+        plan.parts[name] = _stored_form(dtype, storage, numel, shape, where)
         return plan
     nnz = entry["nnz"]
     if not _is_int(nnz) or not 0 <= nnz <= numel:
@@ -145,8 +145,8 @@ def _plan_entry(entry: Any, path: str, position: int) -> _Plan:
         if _one_word(dtype) is None:
             raise _damaged(f"{where}: dtype {dtype} cannot hold a binary mask")
         return plan
-    plan.storage = entry["storage"]
-    plan.parts[name + _VALUES_SUFFIX] = _stored_form(dtype, plan.storage, nnz, [nnz], where)
+    plan.storage = storage = entry["storage"]
+    plan.parts[name + _VALUES_SUFFIX] = _stored_form(dtype, storage, nnz, [nnz], where)
     if "neg_zeros" in entry:
         n_neg = entry["neg_zeros"]
         if not _is_int(n_neg) or not 1 <= n_neg <= numel - nnz or _neg_zero_word(dtype) is None:
@@ -181,7 +181,7 @@ def _plan(index_json: str, header: SafetensorsHeader, path: str) -> List[_Plan]:
         plans.append(plan)
     kinds = {p.name: p.encoding for p in plans}
     for p in plans:
-        if p.encoding == "alias" and kinds.get(p.of) in (None, "alias"):
+        if p.of is not None and kinds.get(p.of) in (None, "alias"):
             raise _damaged(f"{path}: tensor {p.name!r} is an alias of {p.of!r}, which the index "
                            + ("does not list" if p.of not in kinds else "lists as an alias too"))
     stored = header.tensors
@@ -323,4 +323,4 @@ def _load_from(f: IO[bytes], header: SafetensorsHeader, path: str,
 
     decoded = {plan.name: _decode(plan, get, path) for plan in plans if plan.encoding != "alias"}
     # a tied tensor is the very tensor it is tied to, as in the model's state dict
-    return OrderedDict((p.name, decoded[p.of if p.encoding == "alias" else p.name]) for p in plans)
+    return OrderedDict((p.name, decoded[p.name if p.of is None else p.of]) for p in plans)

@@ -272,7 +272,7 @@ class CompressedWriter:
             spool = self._spool(t.element_size())
             n = t.numel() * t.element_size()
             if n:
-                spool[0].write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # the bytes, not a copy
+                spool[0].write(t.reshape(-1).view(torch.uint8).numpy().data)  # the bytes, not a copy
             self._layout[key] = (t.element_size(), _TAG_OF[t.dtype], list(t.shape), spool[1], spool[1] + n)
             spool[1] += n
         self._index.append(entry)
