@@ -27,6 +27,7 @@ import functools
 import gc
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -421,12 +422,25 @@ def versions() -> dict:
     return out
 
 
+def _run_flags(argv: list[str]) -> list[str]:
+    """The parts of a results file's name for a run's flags: ``--only minilm`` -> ``only-minilm``,
+    ``--quick`` -> ``quick`` (a value made safe for a file name); :data:`SAME_RUN_FLAGS` left out."""
+    out = []
+    for i, a in enumerate(argv):
+        if not a.startswith("--"):
+            continue
+        flag, _, value = a[2:].partition("=")
+        if not value and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            value = argv[i + 1]
+        if flag not in SAME_RUN_FLAGS:
+            out.append(f"{flag}-{re.sub(r'[^A-Za-z0-9_+-]+', '_', value)}" if value else flag)
+    return out
+
+
 def write_results(path: str | None = None) -> str:
     """Write the recorded tables with command, date, machine, load and versions; return the path."""
     name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
-    flags = [a.lstrip("-").split("=")[0] for a in sys.argv[1:] if a.startswith("--")]
-    flags = [f for f in flags if f not in SAME_RUN_FLAGS]
-    path = path or os.path.join(RESULTS_DIR, ".".join([name, *flags]) + ".json")
+    path = path or os.path.join(RESULTS_DIR, ".".join([name, *_run_flags(sys.argv[1:])]) + ".json")
     data = {
         "benchmark": name,
         "command": " ".join(["python", f"benchmarks/{os.path.basename(sys.argv[0])}", *sys.argv[1:]]),
