@@ -45,7 +45,7 @@ test-fast: $(STAMP)
 # The model-zoo matrices (pytest -m zoo: every torchvision classifier, a list of timm families, the
 # transformers families). torchvision and timm go into $(ZOO), beside the environment and not in it: the
 # registry's torchvision wheel is a CUDA build whose compiled ops do not load beside the CPU torch, and
-# transformers imports torchvision whenever it is installed (tests/vision_models.py defines the two op
+# transformers imports torchvision whenever it is installed (tests/helpers/vision_models.py defines the two op
 # schemas it needs before importing it; nothing outside the tests would). --no-deps keeps torch as it is.
 ZOO := .zoo
 $(ZOO)/.installed: $(STAMP)

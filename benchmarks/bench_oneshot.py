@@ -2,7 +2,7 @@
 
 Setting (issue 12): the 36 Linear layers of MiniLM-L6's 6 encoder layers; 128 calibration sentences and
 384 disjoint evaluation sentences of real English text that ships offline (the docstrings of Python's
-standard library, ``tests/oneshot_text.py``); metric: mean cosine between the pruned and the dense
+standard library, ``tests/helpers/oneshot_text.py``); metric: mean cosine between the pruned and the dense
 model's sentence embeddings (mean pooling, normalised) and the Spearman correlation of 2,000 pairwise
 similarities (dense against pruned). Every run is a fresh process (``_oneshot_runner.py``) timing only the
 pruning call, with the peak extra resident memory during it; runs are interleaved per sparsity.
@@ -32,7 +32,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-from oneshot_text import calibration_and_evaluation  # noqa: E402
+from helpers.oneshot_text import calibration_and_evaluation  # noqa: E402
 
 sys.path.insert(0, HERE)
 from _harness import table  # noqa: E402

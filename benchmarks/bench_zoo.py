@@ -1,6 +1,6 @@
 """The vision zoos side by side: prunekit and Torch-Pruning 1.6.1 on every torchvision classifier and the timm list.
 
-Every model is built with random weights, 10 classes and a small input by ``tests/vision_models.py``
+Every model is built with random weights, 10 classes and a small input by ``tests/helpers/vision_models.py``
 (the models of ``tests/compact/test_zoo_torchvision.py`` and ``test_zoo_timm.py``). Each library
 prunes 30% of the channels of every group by L2 magnitude, the classifier's outputs kept, in a
 child process of its own with a time limit (``--timeout``):
@@ -47,7 +47,7 @@ AMOUNT = 0.3
 
 
 def _build(zoo: str, name: str):
-    import vision_models as V
+    from helpers import vision_models as V
 
     return (V.build_torchvision if zoo == "torchvision" else V.build_timm)(name)
 
@@ -58,7 +58,7 @@ def _short(exc: BaseException) -> str:
 
 
 def child_prunekit(zoo: str, name: str) -> dict:
-    import vision_models as V
+    from helpers import vision_models as V
 
     model, x = _build(zoo, name)
     try:
@@ -73,7 +73,7 @@ def child_prunekit(zoo: str, name: str) -> dict:
 
 def child_torch_pruning(zoo: str, name: str) -> dict:
     import torch_pruning as tp
-    import vision_models as V
+    from helpers import vision_models as V
     from prunekit.compact import count_macs
 
     model, x = _build(zoo, name)
@@ -113,7 +113,7 @@ def run_case(lib: str, zoo: str, name: str, args) -> dict:
 
 
 def names_of(zoo: str):
-    import vision_models as V
+    from helpers import vision_models as V
 
     return V.torchvision_names() if zoo == "torchvision" else V.timm_names()
 
@@ -133,7 +133,7 @@ def main() -> None:
         fn = child_prunekit if args.child == "prunekit" else child_torch_pruning
         print(json.dumps(fn(args.zoo, args.only)), flush=True)
         return
-    import vision_models as V
+    from helpers import vision_models as V
 
     if not V.prepare_torchvision():
         sys.exit("torchvision is not importable: install it beside the environment (make test-zoo) and put it on "

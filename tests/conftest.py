@@ -3,12 +3,12 @@ import os
 import pytest
 import torch
 from hypothesis import settings
-from vision_models import prepare_torchvision
+from helpers.vision_models import prepare_torchvision
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # torchvision (where installed: `make test-zoo`) importable before anything imports it -- transformers does
-# as soon as it is installed (tests/vision_models.py says why it needs help)
+# as soon as it is installed (tests/helpers/vision_models.py says why it needs help)
 prepare_torchvision()
 
 # Hypothesis profiles. "ci" (the default, what `make test` and .ci/run use) is

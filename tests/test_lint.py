@@ -64,7 +64,7 @@ def test_a_private_name_imported_across_packages_is_refused(tmp_path):
 
 
 def test_torch_fault_companions_skip_once_torch_is_fixed():
-    from torch_faults import torch_fault, torch_still
+    from helpers.torch_faults import torch_fault, torch_still
 
     with torch_fault(RuntimeError, "view size", "a fault"):  # torch still fails: passes
         raise RuntimeError("view size is not compatible")

@@ -16,11 +16,11 @@ import prunekit
 from prunekit.cli import main
 from prunekit.sparse import load_compressed, native, save_compressed
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where cli_models.py is
-import cli_models  # noqa: E402
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
+from helpers import cli_models  # noqa: E402
 
-CNN = os.path.join(HERE, "cli_models.py") + ":make_cnn"
-MLP = os.path.join(HERE, "cli_models.py") + ":make_mlp"
+CNN = os.path.join(HERE, "helpers", "cli_models.py") + ":make_cnn"
+MLP = os.path.join(HERE, "helpers", "cli_models.py") + ":make_mlp"
 
 
 def run(capsys, *argv):
@@ -352,9 +352,9 @@ def test_prune_bad_arguments(capsys, tmp_path, argv, match):
 
 def test_prune_bad_model_and_weights(capsys, tmp_path, cnn_weights):
     out = tmp_path / "x.safetensors"
-    for model, match in [("no_such_module_xyz:f", "cannot import"), ("cli_models", "package.module:function"),
-                         (os.path.join(HERE, "cli_models.py") + ":missing", "no attribute 'missing'"),
-                         (os.path.join(HERE, "cli_models.py") + ":not_a_model", "not a torch.nn.Module")]:
+    for model, match in [("no_such_module_xyz:f", "cannot import"), ("helpers.cli_models", "package.module:function"),
+                         (os.path.join(HERE, "helpers", "cli_models.py") + ":missing", "no attribute 'missing'"),
+                         (os.path.join(HERE, "helpers", "cli_models.py") + ":not_a_model", "not a torch.nn.Module")]:
         code, _, err = run(capsys, "prune", "--model", model, "--amount", "0.5", "--out", out)
         assert_one_line_error(code, err, 2, match)
     code, _, err = run(capsys, "prune", "--model", CNN, "--weights", tmp_path / "missing.pt", "--amount", "0.5",

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import shrink_models  # noqa: E402
+from helpers import shrink_models  # noqa: E402
 
 SENTENCES = ["the cat sat on the mat", "a dog ran in the park and sat down", "pruning makes a model small",
              "the model is dense and small", "calibration text is typical text", "a small model runs fast",

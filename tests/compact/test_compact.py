@@ -28,7 +28,7 @@ from prunekit.compact import (
     register_handler,
     zero_units,
 )
-from compact_models import MLP, DWSeparable, EncoderBlock, ResNetLike
+from helpers.compact_models import MLP, DWSeparable, EncoderBlock, ResNetLike
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

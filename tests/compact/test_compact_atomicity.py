@@ -19,7 +19,7 @@ import prunekit
 from prunekit.compact import CompactionError, build_dependency_graph, compact, prune_groups
 from prunekit import methods
 from prunekit.compact.surgery import shrink as surgery
-from compact_models import EncoderBlock, ResNetLike
+from helpers.compact_models import EncoderBlock, ResNetLike
 
 
 def state(model):

@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
-import shrink_models as sm  # noqa: E402
+from helpers import shrink_models as sm  # noqa: E402
 from prunekit.compact import build_dependency_graph, compact, compaction_description, prune_groups  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread", "quiet_transformers")

@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
-import hf_models as H  # noqa: E402
+from helpers import hf_models as H  # noqa: E402
 from prunekit.compact import (  # noqa: E402
     build_dependency_graph,
     compact,
@@ -219,7 +219,7 @@ def test_gpt2_cross_attention_fused_conv1d_heads():
 
 @pytest.mark.parametrize("inplace", [False, True])
 def test_a_tied_lm_head_stays_tied_to_its_embedding(inplace, tmp_path):
-    import shrink_models
+    from helpers import shrink_models
 
     model = shrink_models.build("gemma")  # ties lm_head to embed_tokens
     x = shrink_models.batches("gemma")[0]

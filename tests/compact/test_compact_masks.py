@@ -15,7 +15,7 @@ from torch import nn
 
 import prunekit
 from prunekit.compact import build_dependency_graph, compact, compaction_description, count_params, prune_groups
-from compact_models import MLP, ResNetLike
+from helpers.compact_models import MLP, ResNetLike
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -154,7 +154,7 @@ def test_swiglu_gate_rows_alone_make_the_neuron_zero():
 
 
 def test_masked_attention_values_remove_their_heads():
-    from compact_models import EncoderBlock
+    from helpers.compact_models import EncoderBlock
 
     m = EncoderBlock().eval()
     ids = torch.randint(0, 50, (2, 7))

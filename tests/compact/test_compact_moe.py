@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
-import shrink_models as sm  # noqa: E402
+from helpers import shrink_models as sm  # noqa: E402
 from prunekit.compact import (  # noqa: E402
     build_dependency_graph,
     compact,

@@ -8,7 +8,7 @@ from torch import nn
 
 import prunekit
 from prunekit.compact import compact, prune_groups, prune_with_calibration
-from compact_models import MLP
+from helpers.compact_models import MLP
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from prunekit.compact import build_dependency_graph
-from compact_models import MLP, DWSeparable, EncoderBlock, ResNetLike
+from helpers.compact_models import MLP, DWSeparable, EncoderBlock, ResNetLike
 
 SNAPSHOT = Path(__file__).parents[1] / "data" / "compact_graph_snapshot.json"
 

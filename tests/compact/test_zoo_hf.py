@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
-import shrink_models as S  # noqa: E402
+from helpers import shrink_models as S  # noqa: E402
 from prunekit.compact import compact, compaction_description, prune_groups  # noqa: E402
 
 pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures("one_thread", "quiet_transformers")]

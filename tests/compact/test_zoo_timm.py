@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-import vision_models as V
+from helpers import vision_models as V
 
 pytest.importorskip("timm")
 

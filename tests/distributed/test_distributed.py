@@ -1,7 +1,7 @@
 """prunekit on sharded models: 2 (and 4) processes on CPU with gloo, launched from pytest.
 
-The scenarios (tests/dist_scenarios.py) compare every sharded result with the
-single-process result of the same call; tests/dist_harness.py runs them. All
+The scenarios (tests/helpers/dist_scenarios.py) compare every sharded result with the
+single-process result of the same call; tests/helpers/dist_harness.py runs them. All
 scenarios of one world size run in one launch (processes start once), and
 each test reports one scenario on every rank.
 """
@@ -9,7 +9,7 @@ each test reports one scenario on every rank.
 import pytest
 import torch.distributed as dist
 
-from dist_harness import run_world
+from helpers.dist_harness import run_world
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")

@@ -1,8 +1,8 @@
 """Verified distributed checkpoints: integrity manifest, restricted .metadata, all-or-nothing load.
 
 Most tests run in this process without a process group (DCP then saves and
-loads as one process). The 2-rank scenarios (tests/dist_scenarios.py,
-``dcp_*``) run in one launch of tests/dist_harness.py.
+loads as one process). The 2-rank scenarios (tests/helpers/dist_scenarios.py,
+``dcp_*``) run in one launch of tests/helpers/dist_harness.py.
 """
 
 import hashlib
@@ -438,7 +438,7 @@ _RESULTS = {}
 @needs_gloo
 @pytest.mark.parametrize("scenario", _SCENARIOS)
 def test_two_ranks(scenario):
-    from dist_harness import run_world
+    from helpers.dist_harness import run_world
 
     if not _RESULTS:
         _RESULTS.update(run_world(2, _SCENARIOS))

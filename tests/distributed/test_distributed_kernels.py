@@ -17,7 +17,7 @@ from prunekit.kernels.norms_sharded import channel_norms_sharded
 from prunekit.kernels.select import NaNScoresError, keep_mask_smallest_multi
 from prunekit.kernels.select_sharded import keep_mask_smallest_sharded
 from prunekit.kernels.sharded import ShardSpec, gather_along, prefix_index
-from sharded_threads import run_ranks, shard, unshard
+from helpers.sharded_threads import run_ranks, shard, unshard
 
 
 def _select(tensors, world, k, dims, eligible=None):

@@ -67,7 +67,7 @@ def test_failure_writes_nothing_and_removes_the_spools(tmp_path):
 
 
 def test_a_ctrl_c_at_every_step_leaves_no_spool_and_no_half_file(tmp_path):
-    from interrupts import every_step
+    from helpers.interrupts import every_step
 
     path = tmp_path / "m.safetensors"
     sd = _state()

@@ -158,7 +158,7 @@ def test_a_hostile_folder_is_refused_by_name(tmp_path):
 
 
 # ----------------------------------------------------------------------------- replacing an export
-from interrupts import Steps, every_step  # noqa: E402
+from helpers.interrupts import Steps, every_step  # noqa: E402
 from prunekit.io import writer as writer_mod  # noqa: E402
 
 

@@ -702,8 +702,8 @@ def test_the_pure_python_yaml_parser_refuses_the_same_bombs(tmp_path, monkeypatc
 def test_fuzzed_configs_on_the_command_line_exit_0_or_2_with_one_line(tmp_path, capsys):
     """prunekit prune --config on mutants of a config: it prunes (exit 0), or one line and exit 2."""
     here = os.path.dirname(os.path.abspath(__file__))
-    tests = here if os.path.exists(os.path.join(here, "cli_models.py")) else os.path.dirname(here)
-    model = os.path.join(tests, "cli_models.py") + ":make_mlp"
+    tests = here if os.path.isdir(os.path.join(here, "helpers")) else os.path.dirname(here)
+    model = os.path.join(tests, "helpers", "cli_models.py") + ":make_mlp"
     rng = random.Random(YAML_SEED + 1)
     config = PRUNEKIT_YAML.replace("^fc1$', 'conv.*'", "^0$', '^2$'").replace("[fc2]", "['^4$']")
     codes = []

@@ -207,7 +207,7 @@ def test_a_file_object_is_written_directly():
 
 
 # ----------------------------------------------------------------------------- Ctrl-C at every step
-from interrupts import every_step  # noqa: E402
+from helpers.interrupts import every_step  # noqa: E402
 
 
 def _listing(folder):

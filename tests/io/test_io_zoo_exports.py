@@ -21,7 +21,7 @@ pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import ModelCompressor  # noqa: E402
 
 import prunekit  # noqa: E402
-import shrink_models as S  # noqa: E402
+from helpers import shrink_models as S  # noqa: E402
 from prunekit.io import load_compressed, read_checkpoint  # noqa: E402
 from prunekit.io.checkpoint import read_plain_safetensors, read_torch, write_torch  # noqa: E402
 from prunekit.io.compressed_tensors import read_compressed_tensors  # noqa: E402

@@ -11,7 +11,7 @@ from torch import nn
 
 import prunekit as prune
 from prunekit import reparam
-from torch_faults import torch_fault, torch_still
+from helpers.torch_faults import torch_fault, torch_still
 
 
 def held_bytes(module: nn.Module) -> int:

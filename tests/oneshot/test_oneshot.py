@@ -199,7 +199,7 @@ def test_a_failure_midway_leaves_the_model_as_it_was(monkeypatch, exc):
 
 
 # ------------------------------------------------------------------ the real MiniLM-L6
-from oneshot_text import calibration_and_evaluation  # noqa: E402
+from helpers.oneshot_text import calibration_and_evaluation  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -163,7 +163,7 @@ def test_bad_folders_are_refused_by_name_and_nothing_is_written(src, tmp_path):
 
 @pytest.mark.parametrize("family", ["gpt2", "opt", "qwen3", "phi3", "gemma2", "bert", "mixtral"])
 def test_other_families_or_a_clear_refusal(tmp_path, family):
-    from shrink_models import batches, build
+    from helpers.shrink_models import batches, build
 
     model = build(family)
     model.save_pretrained(tmp_path / "src")

@@ -13,7 +13,7 @@ from prunekit.oneshot.solvers import magnitude_prune, prune_count
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
-import shrink_models as S  # noqa: E402
+from helpers import shrink_models as S  # noqa: E402
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_thread")]
 

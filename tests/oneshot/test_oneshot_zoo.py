@@ -16,7 +16,7 @@ from prunekit.oneshot.solvers import prune_count
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
-import shrink_models as S  # noqa: E402
+from helpers import shrink_models as S  # noqa: E402
 
 pytestmark = [pytest.mark.zoo, pytest.mark.hf, pytest.mark.usefixtures("one_thread")]
 

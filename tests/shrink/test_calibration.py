@@ -10,7 +10,7 @@ from prunekit.shrink.calibration import Objective, as_batches, output_vectors
 
 pytestmark = pytest.mark.hf
 transformers = pytest.importorskip("transformers")
-import shrink_models  # noqa: E402
+from helpers import shrink_models  # noqa: E402
 
 
 def test_empty_or_single_batch_calibration_is_a_clear_error():

@@ -14,7 +14,7 @@ from prunekit.shrink import (block_influence, family_of, layer_list, layer_loss_
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_thread")]
 transformers = pytest.importorskip("transformers")
-import shrink_models  # noqa: E402
+from helpers import shrink_models  # noqa: E402
 
 DECODERS = [f for f in shrink_models.FAMILIES if shrink_models.SPECS[f][2].endswith(("ForCausalLM", "LMHeadModel"))]
 

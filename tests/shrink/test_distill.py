@@ -15,7 +15,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 import prunekit  # noqa: E402
-import shrink_models as sm  # noqa: E402
+from helpers import shrink_models as sm  # noqa: E402
 from prunekit.shrink import DistillReport, distill, family_of  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -484,7 +484,7 @@ def test_minilm_three_layer_student_gets_closer_to_its_teacher():
 # ----------------------------------------------------------------------------- many processes
 TORCHRUN_SCRIPT = """
 import os, sys, torch
-import shrink_models as sm
+from helpers import shrink_models as sm
 from prunekit.shrink import distill
 teacher, student = sm.build("llama"), sm.build("llama", seed=1, num_hidden_layers=2)
 report = distill(student, teacher, sm.batches("llama", n=4), steps=3, lr=1e-2, warmup=1, save_steps=2,

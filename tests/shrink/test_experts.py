@@ -18,7 +18,7 @@ from prunekit.shrink import experts as experts_module
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_thread")]
 transformers = pytest.importorskip("transformers")
-import shrink_models  # noqa: E402
+from helpers import shrink_models  # noqa: E402
 
 MOE = shrink_models.MOE
 

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import shrink_models  # noqa: E402
+from helpers import shrink_models  # noqa: E402
 from prunekit.shrink import FAMILIES, family_of, layer_list  # noqa: E402
 
 EXPECTED = {"gpt2": "transformer.h", "opt": "model.decoder.layers", "bert": "encoder.layer", "roberta": "encoder.layer",

@@ -22,7 +22,7 @@ from prunekit.shrink.search import grid_candidates
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_thread")]
 transformers = pytest.importorskip("transformers")
-import shrink_models  # noqa: E402
+from helpers import shrink_models  # noqa: E402
 
 #: how far below its target a candidate may be: the search's own default
 SLACK = inspect.signature(grid_candidates).parameters["slack"].default

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_thread"),
 transformers = pytest.importorskip("transformers")
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
-import shrink_models  # noqa: E402
+from helpers import shrink_models  # noqa: E402
 
 
 class Outputs(nn.Module):

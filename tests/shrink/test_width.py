@@ -8,7 +8,7 @@ import torch
 pytestmark = pytest.mark.hf
 transformers = pytest.importorskip("transformers")
 
-import shrink_models  # noqa: E402
+from helpers import shrink_models  # noqa: E402
 from prunekit.compact.hf_config import FAMILIES as CONFIG_FAMILIES  # noqa: E402
 from prunekit.compact.surgery.journal import Journal  # noqa: E402
 from prunekit.shrink.width import Width  # noqa: E402

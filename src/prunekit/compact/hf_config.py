@@ -99,7 +99,7 @@ FAMILIES: Dict[str, HFFamily] = {
     "gpt2": HFFamily("n_inner", (r"mlp\.c_fc$",), "n_head", attention=r"\.attn$", hidden_key="n_embd", layers=("h",),
                      layers_key="n_layer"),
     # compaction's config updates (tests/compact/test_zoo_hf.py); without ``layers`` shrinking does not
-    # serve them yet: give one with its tests (tests/shrink_models.py SPECS) to add them there
+    # serve them yet: give one with its tests (tests/helpers/shrink_models.py SPECS) to add them there
     "granite": replace(_LLAMA, layers=()),
     "cohere": replace(_LLAMA, layers=()),  # use_qk_norm: its per-head LayerNorms have a row per head
     "olmo2": replace(_LLAMA, layers=()),  # its q/k norms span every head: heads stay (the handler says why)

@@ -1,4 +1,4 @@
-"""One-shot pruning on several ranks (tests/dist_harness.py runs these on every rank of a gloo group).
+"""One-shot pruning on several ranks (tests/helpers/dist_harness.py runs these on every rank of a gloo group).
 
 Every rank builds the same model and calibration (same seeds), prunes one copy with ``group=True``
 (its share of the batches, statistics summed on an owner rank, each layer solved once and broadcast)
@@ -85,7 +85,7 @@ def oneshot_prunekit(rank, world):
 
 def oneshot_moe_unseen_experts(rank, world):
     """Experts no calibration token reaches (pruned by magnitude, no new weights) on every rank."""
-    import shrink_models as S
+    from helpers import shrink_models as S
 
     base = S.build_zoo("mixtral")
     batches = [{"input_ids": torch.tensor([[5]])} for _ in range(4)]  # one token, 2 of 4 experts: 2 see nothing

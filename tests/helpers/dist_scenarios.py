@@ -1,4 +1,4 @@
-"""Scenarios that tests/dist_harness.py runs on every rank of a gloo process group.
+"""Scenarios that tests/helpers/dist_harness.py runs on every rank of a gloo process group.
 
 Each scenario builds the same model on every rank (same seed), prunes an
 unsharded copy in-process -- the single-process reference -- and a sharded

@@ -4,7 +4,7 @@
 as a script), each of which joins one process group -- the rendezvous goes
 through a file in a fresh temporary directory, so no port is ever chosen and
 parallel runs cannot collide (gloo's connections take free ports from the
-OS) -- and runs the named scenario functions of ``tests/dist_scenarios.py``
+OS) -- and runs the named scenario functions of ``tests/helpers/dist_scenarios.py``
 in order (``"module:function"`` names a scenario of another module of
 ``tests/``). Each rank records, per scenario, ``"ok"`` or the traceback; the
 parent returns them.
@@ -28,6 +28,7 @@ from typing import Dict, List, Sequence
 
 PG_TIMEOUT_S = 60
 HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)  # on the ranks' path: scenarios are ``helpers.<module>:<function>``
 #: CPU seconds per rank and scenario of the last run_world call ("startup": imports and joining)
 LAST_CPU: Dict[int, Dict[str, float]] = {}
 
@@ -38,7 +39,7 @@ def run_world(world: int, scenarios: Sequence[str], timeout_s: float = 240) -> D
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0")
     # absolute: the ranks run in tests/, where a relative entry (PYTHONPATH=src) would find nothing and the
     # installed prunekit would be imported instead of the one under test
-    env["PYTHONPATH"] = os.pathsep.join([HERE] + [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join([TESTS] + [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                   if p])
     procs: List[subprocess.Popen] = []
     logs = []
@@ -47,7 +48,7 @@ def run_world(world: int, scenarios: Sequence[str], timeout_s: float = 240) -> D
         logs.append(log)
         procs.append(subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), tmp, str(rank), str(world), *scenarios],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=HERE,
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=TESTS,
         ))
     deadline = time.monotonic() + timeout_s
     hung = False
@@ -112,7 +113,7 @@ def _main(tmp: str, rank: int, world: int, scenarios: List[str]) -> None:
             t0 = time.process_time()
             try:
                 module, _, function = name.rpartition(":")
-                getattr(importlib.import_module(module or "dist_scenarios"), function)(rank, world)
+                getattr(importlib.import_module(module or "helpers.dist_scenarios"), function)(rank, world)
                 out[name] = "ok"
             except Exception:  # recorded per scenario; the others still run
                 out[name] = traceback.format_exc()

@@ -1,4 +1,4 @@
-"""Small model factories for the CLI tests (``tests/cli_models.py:make_cnn``)."""
+"""Small model factories for the CLI tests (``tests/helpers/cli_models.py:make_cnn``)."""
 
 import torch
 from torch import nn
