@@ -184,7 +184,7 @@ def _reverse_in_place(t: Tensor) -> None:
     entries at a time."""
     flat = t.view(-1)
     n = flat.numel()
-    step = 1 << 20
+    step = 1 << 16
     for s in range(0, n // 2, step):
         e = min(s + step, n // 2)
         head = flat[s:e].clone()
@@ -197,16 +197,22 @@ def _invert_upper_in_place(v: Tensor) -> None:
     time: ``U_JJ = V_JJ^-1`` and ``U[:J, J] = -U[:J, :J] V[:J, J] U_JJ``, the columns before ``J`` already
     inverted where they lie (one block of columns held besides; the products skip ``U``'s zero blocks)."""
     n = v.shape[0]
-    for j1 in range(0, n, _STEP):
-        j2 = min(j1 + _STEP, n)
+    step = min(_STEP, n)
+    # two column blocks of scratch for every step (not one of each size: freed blocks of growing sizes would
+    # leave the allocator's heap growing)
+    col = torch.empty(n, step, dtype=v.dtype, device=v.device)
+    out = torch.empty_like(col)
+    for j1 in range(0, n, step):
+        j2 = min(j1 + step, n)
         eye = torch.eye(j2 - j1, dtype=v.dtype, device=v.device)
         ujj = torch.linalg.solve_triangular(v[j1:j2, j1:j2], eye, upper=True)
         if j1:
-            col = torch.empty(j1, j2 - j1, dtype=v.dtype, device=v.device)
-            for i1 in range(0, j1, _STEP):
-                i2 = min(i1 + _STEP, j1)
-                torch.matmul(v[i1:i2, i1:j1], v[i1:j1, j1:j2], out=col[i1:i2])
-            v[:j1, j1:j2] = col.matmul(ujj).neg_()
+            c, o = col[:j1, :j2 - j1], out[:j1, :j2 - j1]
+            for i1 in range(0, j1, step):
+                i2 = min(i1 + step, j1)
+                torch.matmul(v[i1:i2, i1:j1], v[i1:j1, j1:j2], out=c[i1:i2])
+            torch.matmul(c, ujj, out=o)
+            v[:j1, j1:j2] = o.neg_()
         v[j1:j2, j1:j2] = ujj
 
 
@@ -368,14 +374,16 @@ def reconstruction_error(new: Tensor, dense: Tensor, xtx: Tensor) -> float:
         >>> reconstruction_error(torch.zeros(1, 2), torch.ones(1, 2), torch.eye(2))
         1.0
     """
-    d = dense.detach().float()
-    h = xtx.to(d.device).float()
-    num = _quadratic_trace(new.detach().float() - d, h)
-    den = _quadratic_trace(d, h)
+    h = xtx.to(dense.device).float()
+    num = den = 0.0
+    for r1 in range(0, dense.shape[0], _TRACE_STEP):  # a few rows at a time: no full-size copy of either matrix
+        d = dense[r1:r1 + _TRACE_STEP].detach().float()
+        num += _quadratic_trace(new[r1:r1 + _TRACE_STEP].detach().float() - d, h)
+        den += _quadratic_trace(d, h)
     return num / den if den > 0 else (0.0 if num == 0 else math.inf)
 
 
-#: columns per step of :func:`_quadratic_trace`
+#: rows and columns per step of :func:`reconstruction_error`
 _TRACE_STEP = 256
 
 
