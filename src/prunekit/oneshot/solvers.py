@@ -166,7 +166,7 @@ def hessian_inverse_cholesky(xtx: Tensor, damp: float = 0.01) -> Tensor:
         True
     """
     # everything in place on one in_features^2 matrix: the dampened copy of xtx becomes U
-    h = dampened_hessian(xtx, damp)  # symmetric: its transpose, stored by columns, is the same matrix
+    h = dampened_hessian(xtx, damp).contiguous()  # symmetric: its transpose, stored by columns, is the same
     _reverse_in_place(h)  # P H P
     f = h.mT  # by columns, as LAPACK works: the factorisation happens where the matrix lies
     torch.linalg.cholesky(f, out=f)  # L
@@ -180,8 +180,8 @@ _STEP = 256
 
 
 def _reverse_in_place(t: Tensor) -> None:
-    """The contiguous ``t`` flipped in both dimensions, in place: its storage reversed, a few million
-    entries at a time."""
+    """The contiguous ``t`` flipped in both dimensions, in place: its storage reversed, 64 Ki entries at a
+    time."""
     flat = t.view(-1)
     n = flat.numel()
     step = 1 << 16
@@ -245,7 +245,7 @@ def sparsegpt_prune(
     _check(weight, sparsity, nm)
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    # H^-1's factor first: its transient in^2 matrix is the peak, the float32 weights come after it
+    # H^-1's factor first: its in^2 matrix (and a little scratch) is the peak, the float32 weights come after it
     u = hessian_inverse_cholesky(xtx.to(weight.device), damp)
     w = weight.detach().float()
     if w.data_ptr() == weight.data_ptr():  # already float32: work on a copy (a lower precision converted above)
