@@ -5,6 +5,7 @@ import torch
 
 from prunekit.importance import dampened_hessian
 from prunekit.oneshot.solvers import (
+    hessian_inverse_cholesky,
     magnitude_prune,
     prune_count,
     refit_masked,
@@ -97,6 +98,27 @@ def test_sparsegpt_matches_reference(sparsity, nm, block):
     assert torch.allclose(new.double(), ref_w, atol=1e-4, rtol=1e-4)
     assert int((~keep).sum()) == (prune_count(w.numel(), sparsity) if nm is None else w.numel() * (nm[1] - nm[0]) // nm[1])
     assert bool((new[~keep] == 0).all())
+
+
+@pytest.mark.parametrize("nm", [None, (2, 4)])
+def test_sparsegpt_matches_reference_across_sub_blocks_and_inverse_steps(nm):
+    # 300 columns: blocks of 128 hold several sub-blocks of the sweep, and the factor of H^-1 is inverted in
+    # more than one step of columns
+    w, x = _data(rows=3, cols=300, tokens=700, seed=2)
+    xtx = x.t() @ x
+    new, keep = sparsegpt_prune(w.float(), xtx.float(), 0.5, nm, block_size=128, damp=0.01)
+    ref_w, ref_keep = sparsegpt_reference(w, xtx, 0.5, nm, block_size=128, damp=0.01)
+    assert torch.equal(keep, ref_keep)
+    assert torch.allclose(new.double(), ref_w, atol=1e-4, rtol=1e-4)
+
+
+def test_hessian_inverse_cholesky_is_the_upper_factor_of_the_inverse():
+    _, x = _data(rows=1, cols=600, tokens=900, seed=4)
+    xtx = x.t() @ x
+    u = hessian_inverse_cholesky(xtx.float(), damp=0.01)
+    ref = torch.linalg.cholesky(torch.linalg.inv(dampened_hessian(xtx, 0.01).double()), upper=True)
+    assert bool((u.tril(-1) == 0).all())
+    assert torch.allclose(u.double(), ref, atol=1e-6 * float(ref.abs().max()), rtol=1e-4)
 
 
 def test_sparsegpt_beats_magnitude_and_wanda_on_its_objective():

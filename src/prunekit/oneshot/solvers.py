@@ -13,7 +13,10 @@ small matrices (``tests/test_oneshot_solvers.py``).
   the block is chosen by the OBS saliency ``w^2 / [H^-1]_jj`` (given the
   columns not yet fixed), and every pruned weight's error is compensated on the
   not-yet-processed columns with the rows of the Cholesky factor of ``H^-1``
-  (lazy blocked updates: within a block, then once for the rest).
+  (lazy blocked updates: within sub-blocks of 16 columns, then once for the
+  rest of the block, then once for the rest of the matrix -- every update but
+  the innermost is one matrix product). The factor is computed in place on one
+  ``in_features^2`` matrix, without forming ``H^-1``.
 * :func:`refit_masked`: with the mask fixed, the least-squares weights
   ``min ||X (W - T)^T||^2`` over the kept entries (``T`` the target weights),
   by preconditioned conjugate gradients, every row at once.
@@ -47,6 +50,8 @@ __all__ = [
 ]
 
 NM = Optional[Tuple[int, int]]
+#: columns per sub-block of the SparseGPT sweep: a column's update reaches the rest of its sub-block only
+_SUB = 16
 
 
 def prune_count(numel: int, sparsity: float) -> int:
@@ -149,19 +154,66 @@ def hessian_inverse_cholesky(xtx: Tensor, damp: float = 0.01) -> Tensor:
     removing weight ``i`` when only columns ``i..`` are free, and ``U_ii^2`` is
     ``[H_F^-1]_ii`` of that sub-problem.
 
+    ``H^-1`` itself is never formed: with ``P`` the order reversal, ``P H P = L L^T``
+    gives ``H = V V^T`` for the upper ``V = P L P``, so ``U = V^-1`` -- one
+    Cholesky factorisation and one triangular inverse, half the work of
+    factorising, inverting and factorising again.
+
     Examples:
         >>> import torch
         >>> u = hessian_inverse_cholesky(torch.tensor([[4., 0.], [0., 1.]]), damp=0.0)
         >>> torch.allclose(u, torch.tensor([[0.5, 0.0], [0.0, 1.0]]))
         True
     """
-    # each intermediate freed as soon as the next exists: two in_features^2 matrices at a time, not four
-    h = dampened_hessian(xtx, damp)
-    lower = torch.linalg.cholesky(h)
-    del h
-    hinv = torch.cholesky_inverse(lower)
-    del lower
-    return torch.linalg.cholesky(hinv, upper=True)
+    # everything in place on one in_features^2 matrix: the dampened copy of xtx becomes U
+    h = dampened_hessian(xtx, damp).contiguous()  # symmetric: its transpose, stored by columns, is the same
+    _reverse_in_place(h)  # P H P
+    f = h.mT  # by columns, as LAPACK works: the factorisation happens where the matrix lies
+    torch.linalg.cholesky(f, out=f)  # L
+    _reverse_in_place(h)  # the same storage: V = P L P, upper
+    _invert_upper_in_place(f)
+    return f
+
+
+#: columns per step of the triangular inverse
+_STEP = 256
+
+
+def _reverse_in_place(t: Tensor) -> None:
+    """The contiguous ``t`` flipped in both dimensions, in place: its storage reversed, 64 Ki entries at a
+    time."""
+    flat = t.view(-1)
+    n = flat.numel()
+    step = 1 << 16
+    for s in range(0, n // 2, step):
+        e = min(s + step, n // 2)
+        head = flat[s:e].clone()
+        flat[s:e] = flat[n - e:n - s].flip(0)
+        flat[n - e:n - s] = head.flip(0)
+
+
+def _invert_upper_in_place(v: Tensor) -> None:
+    """``v`` (upper triangular, zero below the diagonal) replaced by its inverse ``U``, a block of columns at a
+    time: ``U_JJ = V_JJ^-1`` and ``U[:J, J] = -U[:J, :J] V[:J, J] U_JJ``, the columns before ``J`` already
+    inverted where they lie (one block of columns held besides; the products skip ``U``'s zero blocks)."""
+    n = v.shape[0]
+    step = min(_STEP, n)
+    # two column blocks of scratch for every step (not one of each size: freed blocks of growing sizes would
+    # leave the allocator's heap growing)
+    col = torch.empty(n, step, dtype=v.dtype, device=v.device)
+    out = torch.empty_like(col)
+    for j1 in range(0, n, step):
+        j2 = min(j1 + step, n)
+        eye = torch.eye(j2 - j1, dtype=v.dtype, device=v.device)
+        ujj = torch.linalg.solve_triangular(v[j1:j2, j1:j2], eye, upper=True)
+        if j1:
+            c, o = col[:j1, :j2 - j1], out[:j1, :j2 - j1]
+            for i1 in range(0, j1, step):
+                i2 = min(i1 + step, j1)
+                torch.matmul(v[i1:i2, i1:j1], v[i1:j1, j1:j2], out=c[i1:i2])
+            torch.matmul(c, ujj, out=o)
+            v[:j1, j1:j2] = o.neg_()
+        v[j1:j2, j1:j2] = ujj
 
 
 def sparsegpt_prune(
@@ -193,43 +245,71 @@ def sparsegpt_prune(
     _check(weight, sparsity, nm)
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    # H^-1's factor first: its two transient in^2 matrices are the peak, the float32 weights come after it
+    # H^-1's factor first: its in^2 matrix (and a little scratch) is the peak, the float32 weights come after it
     u = hessian_inverse_cholesky(xtx.to(weight.device), damp)
     w = weight.detach().float()
     if w.data_ptr() == weight.data_ptr():  # already float32: work on a copy (a lower precision converted above)
         w = w.clone()
     rows, cols = w.shape
     dead = xtx.diagonal().to(w.device) == 0
-    w[:, dead] = 0
+    if bool(dead.any()):
+        w[:, dead] = 0
     keep = torch.ones(rows, cols, dtype=torch.bool, device=w.device)
     total = prune_count(rows * cols, sparsity) if nm is None else 0
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
-        w1 = w[:, i1:i2].clone()
-        u1 = u[i1:i2, i1:i2]
-        d = u1.diagonal()
-        err = torch.zeros_like(w1)
-        keep1 = torch.ones_like(w1, dtype=torch.bool)
+        d = u[i1:i2, i1:i2].diagonal()
         if nm is None:
-            # this block's share of the exact total, cumulative so the counts add up
+            # this block's share of the exact total, cumulative so the counts add up; ties by row-major position
             k = prune_count(rows * i2, sparsity) - prune_count(rows * i1, sparsity) if total else 0
-            if k:
-                keep1 = _matrix_keep_mask(w1.pow(2) / d.pow(2).unsqueeze(0), k)
-        n, m = nm if nm is not None else (0, 0)
-        for i in range(i2 - i1):
-            if nm is not None and i % m == 0:
-                sal = w1[:, i:i + m].pow(2) / d[i:i + m].pow(2).unsqueeze(0)
-                keep1[:, i:i + m] = nm_keep_mask(sal, n, m)
-            col = w1[:, i]
-            e = torch.where(keep1[:, i], torch.zeros_like(col), col) / d[i]
-            w1[:, i:] -= e.unsqueeze(1) * u1[i, i:].unsqueeze(0)
-            err[:, i] = e
-        w1[~keep1] = 0.0
-        w[:, i1:i2] = w1
-        keep[:, i1:i2] = keep1
-        if i2 < cols:
-            w[:, i2:] -= err @ u[i1:i2, i2:]
+            if not k:
+                continue  # nothing pruned here: no error to spread
+            keep[:, i1:i2] = _matrix_keep_mask(w[:, i1:i2].pow(2) / d.pow(2).unsqueeze(0), k)
+        err = _sparsegpt_block(w, keep, u, i1, i2, nm)
+        if i2 < cols:  # the lazy update of every later column: one product for the whole block
+            w[:, i2:].addmm_(err.t(), u[i1:i2, i2:], alpha=-1)
     return w, keep
+
+
+def _sparsegpt_block(w: Tensor, keep: Tensor, u: Tensor, i1: int, i2: int, nm: NM) -> Tensor:
+    """Columns ``i1:i2`` of ``w`` pruned and compensated within the block, in place (pruned entries set to 0;
+    the mask read from ``keep``, or with ``nm`` chosen group by group and written there); returns the block's
+    scaled errors ``(i2 - i1, rows)``, row ``i`` the error of column ``i1 + i``.
+
+    The block is worked on transposed (a column is a contiguous row) in sub-blocks: each column's rank-one
+    update reaches only the rest of its sub-block, and one product per sub-block updates the rest of the
+    block -- the same arithmetic as one update per column over the whole block, in another order.
+    """
+    u1 = u[i1:i2, i1:i2]
+    wt = w[:, i1:i2].t().contiguous()  # (columns, rows)
+    width = wt.shape[0]
+    if nm is not None:
+        n, m = nm
+        prune = torch.zeros_like(wt, dtype=torch.bool)
+        step = m * max(1, _SUB // m)  # a group of m never straddles two sub-blocks
+    else:
+        n = m = 0
+        prune = (~keep[:, i1:i2]).t().contiguous()
+        step = _SUB
+    err = torch.zeros_like(wt)
+    d = u1.diagonal()
+    dl = d.tolist()
+    for s1 in range(0, width, step):
+        s2 = min(s1 + step, width)
+        for i in range(s1, s2):
+            if nm is not None and i % m == 0:
+                sal = (wt[i:i + m].pow(2) / d[i:i + m].pow(2).unsqueeze(1)).t()
+                prune[i:i + m] = ~nm_keep_mask(sal, n, m).t()
+            e = torch.mul(wt[i], prune[i], out=err[i]).div_(dl[i])
+            if i + 1 < s2:
+                wt[i + 1:s2].addr_(u1[i, i + 1:s2], e, alpha=-1)
+        if s2 < width:
+            wt[s2:].addmm_(u1[s1:s2, s2:].t(), err[s1:s2], alpha=-1)
+    wt.masked_fill_(prune, 0.0)
+    w[:, i1:i2] = wt.t()
+    if nm is not None:
+        keep[:, i1:i2] = ~prune.t()
+    return err
 
 
 def refit_masked(
@@ -294,9 +374,31 @@ def reconstruction_error(new: Tensor, dense: Tensor, xtx: Tensor) -> float:
         >>> reconstruction_error(torch.zeros(1, 2), torch.ones(1, 2), torch.eye(2))
         1.0
     """
-    d = dense.detach().float()
-    delta = new.detach().float() - d
-    h = xtx.to(d.device).float()
-    num = float(((delta @ h) * delta).sum())
-    den = float(((d @ h) * d).sum())
+    h = xtx.to(dense.device).float()
+    num = den = 0.0
+    for r1 in range(0, dense.shape[0], _TRACE_STEP):  # a few rows at a time: no full-size copy of either matrix
+        d = dense[r1:r1 + _TRACE_STEP].detach().float()
+        num += _quadratic_trace(new[r1:r1 + _TRACE_STEP].detach().float() - d, h)
+        den += _quadratic_trace(d, h)
     return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+#: rows and columns per step of :func:`reconstruction_error`
+_TRACE_STEP = 256
+
+
+def _quadratic_trace(a: Tensor, h: Tensor) -> float:
+    """``tr(A H A^T)`` for a symmetric ``H``, from its upper triangle only: half the products of ``(A H) * A``.
+
+    Column block ``J`` adds ``A_J H_JJ A_J^T`` and twice ``A_I H_IJ A_J^T`` for every block ``I`` before it.
+    """
+    cols = a.shape[1]
+    total = 0.0
+    for j1 in range(0, cols, _TRACE_STEP):
+        j2 = min(j1 + _TRACE_STEP, cols)
+        aj = a[:, j1:j2]
+        p = aj @ h[j1:j2, j1:j2]
+        if j1:
+            p.addmm_(a[:, :j1], h[:j1, j1:j2], alpha=2)
+        total += float((p * aj).sum(dtype=torch.float64))
+    return total
