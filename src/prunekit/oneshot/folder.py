@@ -33,10 +33,10 @@ import errno
 import logging
 import os
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ..io.folders import atomic_folder
 from ..io.hf_shards import ShardedWeights, ShardPatcher, copy_model_files
@@ -154,7 +154,11 @@ def _tokenizer_for(folder: str, calibration: Iterable[Any]) -> Any:
     return transformers.AutoTokenizer.from_pretrained(folder)
 
 
-def _tensors(module: nn.Module, prefix: str, weights: ShardedWeights) -> List[Tuple[nn.Module, str, str, bool]]:
+#: one tensor of a module read from the shards: (module, its key on the module, its name in the files, a parameter?)
+Item = Tuple[nn.Module, str, str, bool]
+
+
+def _tensors(module: nn.Module, prefix: str, weights: ShardedWeights) -> List[Item]:
     """``(owner module, attribute, full name, is parameter)`` of every parameter under ``module`` and every
     persistent buffer the folder's files hold (a shared tensor once)."""
     out, seen = [], set()
@@ -188,18 +192,25 @@ def _check_names(model: nn.Module, block_list: List[Tuple[str, nn.Module]], weig
                                  f"expects {list(t.shape)}")
 
 
-def _load(items: List[Tuple[nn.Module, str, str, bool]], weights: ShardedWeights) -> None:
+def _current(m: nn.Module, key: str, is_param: bool) -> Tensor:
+    t = m._parameters[key] if is_param else m._buffers[key]
+    if t is None:
+        raise ValueError(f"{type(m).__name__}.{key} is None: the folder holds a tensor the module does not have")
+    return t
+
+
+def _load(items: Sequence[Item], weights: ShardedWeights) -> None:
     for m, key, full, is_param in items:
         t = weights.read(full)
         if is_param:
-            m._parameters[key] = nn.Parameter(t, requires_grad=m._parameters[key].requires_grad)
+            m._parameters[key] = nn.Parameter(t, requires_grad=_current(m, key, True).requires_grad)
         else:
             m._buffers[key] = t
 
 
-def _drop(items: List[Tuple[nn.Module, str, str, bool]]) -> None:
+def _drop(items: Sequence[Item]) -> None:
     for m, key, _, is_param in items:
-        old = m._parameters[key] if is_param else m._buffers[key]
+        old = _current(m, key, is_param)
         empty = torch.empty(old.shape, dtype=old.dtype, device="meta")
         if is_param:
             m._parameters[key] = nn.Parameter(empty, requires_grad=old.requires_grad)
@@ -214,7 +225,7 @@ class FolderCycle(BlockCycle):
 
     def __init__(self, weights: ShardedWeights, patcher: Optional[ShardPatcher], outside: List[Any]) -> None:
         self.weights, self.patcher, self.outside = weights, patcher, outside
-        self.items: List[Tuple[nn.Module, str, str, bool]] = []
+        self.items: List[Item] = []
 
     def enter(self, index: int, name: str, block: nn.Module, mine: List[Target]) -> None:
         while self.outside:
@@ -224,8 +235,11 @@ class FolderCycle(BlockCycle):
 
     def leave(self, index: int, name: str, block: nn.Module, mine: List[Target]) -> None:
         if self.patcher is not None:
-            for t in mine:
-                self.patcher.write(f"{t.name}.weight", t.param.detach())
+            params: Dict[str, Tensor] = {}
+            for t in mine:  # an expert's slice: its whole 3-D parameter, written once
+                params.setdefault(t.key, t.param)
+            for key, p in params.items():
+                self.patcher.write(key, p.detach())
         _drop(self.items)
         self.items = []
 
@@ -238,7 +252,7 @@ def _walk_from_disk(model: nn.Module, plan: Any, weights: ShardedWeights, patche
     def loader(m: nn.Module) -> Callable[..., None]:
         def hook(_m: nn.Module, _args: Any) -> None:
             items = [(o, k, f, p) for o, k, f, p in _tensors(m, names[id(m)], weights) if o is m and p
-                     and o._parameters[k].device.type == "meta"]
+                     and _current(o, k, True).device.type == "meta"]
             if items:
                 _load(items, weights)
                 loaded.append(items)
