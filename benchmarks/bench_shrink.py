@@ -301,8 +301,9 @@ class DecoderRows:
         blocks, total = block_params(model.model.layers), all_params(model)
         return f"{total:,} ({total / self.dense_all:.1%}); blocks {blocks:,} ({blocks / self.dense_blocks:.1%})"
 
-    def shrunk(self, label: str, target: str, lr: float, **kw: Any) -> Optional[Tuple[torch.nn.Module, float]]:
-        """Shrink a copy of the teacher (``kw``: prunekit.shrink's options), distill it; one row. None: unreachable."""
+    def shrunk(self, label: str, goal: str, lr: float, **kw: Any) -> Optional[Tuple[torch.nn.Module, float]]:
+        """Shrink a copy of the teacher (``kw``: prunekit.shrink's options; ``goal``: the target in words), distill
+        it; one row. None: unreachable."""
         s = self.setup
         model = copy.deepcopy(s.teacher)
         t0 = time.perf_counter()
@@ -310,7 +311,7 @@ class DecoderRows:
             report = prunekit.shrink(model, s.calibration, **kw)
         except ValueError as e:
             log(f"   {label}: {e}")
-            self.rows.append([label, target, str(e).split(";")[0], "-", "-", "-", "-"])
+            self.rows.append([label, goal, str(e).split(";")[0], "-", "-", "-", "-"])
             return None
         secs = time.perf_counter() - t0
         before = lm.perplexity(model, s.held_out)
@@ -318,7 +319,7 @@ class DecoderRows:
         after = lm.perplexity(model, s.held_out)
         log(f"   {label}: {_sizes(report)}; {self._size(model)}; perplexity {before:.2f} -> {after:.2f} after "
             f"distillation ({d['tokens']:,} tokens, {d['seconds'] / 60:.1f} min); shrink {secs:.0f} s")
-        self.rows.append([label, target, _sizes(report), self._size(model), f"{before:.2f}", f"{after:.2f}",
+        self.rows.append([label, goal, _sizes(report), self._size(model), f"{before:.2f}", f"{after:.2f}",
                           f"distilled on {d['tokens']:,} tokens ({d['seconds'] / 60:.1f} min)"])
         return model, after
 
