@@ -347,9 +347,11 @@ def _solve_all(jobs: List[Target], solve: Callable[[Target], Solved], writes_wei
             release(t)
         if w.par.world == 1:  # written at once: one layer's result in memory at a time
             _record(t, done.pop(i), w)
+            give_back_free_memory()  # here, not in _record: the call's arguments live until it returns
     for i, t in enumerate(jobs):
         if w.par.world > 1:
             _record(t, _share_result(t, done.pop(i, None), owners[i], writes_weights, w), w)
+            give_back_free_memory()
 
 
 def _share_result(t: Target, res: Optional[Solved], src: int, writes_weights: bool, w: Walk) -> Solved:
@@ -375,8 +377,6 @@ def _record(t: Target, res: Solved, w: Walk) -> None:
     write(t, keep, new, w.bake)
     w.report.layers.append(LayerResult(t.name, t.block, (t.out_features, t.in_features), int((~keep).sum()),
                                        keep.numel(), error, seconds))
-    del new, keep, res
-    give_back_free_memory()
 
 
 def _share_stats(st: ActivationStats, src: int, par: Parallel) -> None:
