@@ -207,6 +207,7 @@ print("peak", int(next(l for l in open("/proc/self/status") if l.startswith("VmP
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")  # as the limited process computes: the same sums in the same order
 def test_a_model_larger_than_the_memory_the_process_may_use_is_pruned_disk_to_disk(tmp_path):
     src = _save_llama(str(tmp_path / "big"), layers=48, hidden=256, inter=704, vocab=256, shard="8MB")
     model_bytes = sum(os.path.getsize(os.path.join(src, n)) for n in os.listdir(src) if n.endswith(".safetensors"))
