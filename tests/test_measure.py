@@ -1,5 +1,6 @@
 """prunekit.measure: the one sparsity report, of chosen tensors (report_layers) or of a whole model."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -52,3 +53,22 @@ def test_sparsity_report_is_a_view_of_the_same_measurement():
     assert (view.numel_all, view.zeros_all, view.elementwise_over_all) == (
         full.numel_all, full.numel_all - full.nonzero_all, full.sparsity_all)
     assert view.layers[0].block_sparsity == full.layers[0].block_4x1_sparsity
+
+
+def test_a_conv1d_weight_is_measured_along_its_inputs():
+    """GPT-2's Conv1D stores (in, out): 2:4 groups run along the inputs, channels are the outputs."""
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    layer = Conv1D(nf=8, nx=16)
+    with torch.no_grad():
+        w = torch.randn(16, 8).abs() + 1
+        w[0::4] = 0  # two of every four consecutive inputs zero, for every output
+        w[1::4] = 0
+        w[:, 3] = 0  # one whole output channel
+        layer.weight.copy_(w)
+    entry = model_report(torch.nn.Sequential(layer)).layers[0]
+    assert entry.shape == (16, 8) and entry.channels == 8 and entry.zero_channels == 1
+    assert entry.fits_2_4 == 1.0
+    transposed = model_report({"0.weight": layer.weight.detach()}).layers[0]  # no module: read as stored
+    assert transposed.fits_2_4 < 1.0

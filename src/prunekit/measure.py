@@ -42,7 +42,7 @@ from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Set, Tuple, 
 
 from torch import Tensor, nn
 
-from . import _sharded
+from . import _sharded, reparam
 from ._backend import is_module, is_tensor
 from .kernels.patterns import get_pattern, to_2d
 from .state_dict import dense_state_dict
@@ -252,7 +252,24 @@ class ModelReport:
         raise KeyError(f"no weight named {name!r} in this report; known: {[e.name for e in self.layers]}")
 
 
-def _measure(name: str, t: Tensor, masked: bool) -> Tuple[LayerReport, int, int, int, int]:
+def inputs_first(model: nn.Module) -> Set[str]:
+    """The weights of ``model`` stored ``(in, out)``: Hugging Face's ``Conv1D`` (GPT-2's linear layers).
+    Their channels, 2:4 groups and blocks are measured on the transpose, as for an ``nn.Linear``.
+
+    Examples:
+        >>> import torch
+        >>> from transformers.pytorch_utils import Conv1D
+        >>> sorted(inputs_first(torch.nn.Sequential(Conv1D(nf=4, nx=8), torch.nn.Linear(4, 2))))
+        ['0.weight']
+    """
+    out = set()
+    for name, m in model.named_modules():
+        if reparam.base_class(m).__name__ == "Conv1D" and hasattr(m, "nf"):
+            out.add(f"{name}.weight" if name else "weight")
+    return out
+
+
+def _measure(name: str, t: Tensor, masked: bool, transposed: bool = False) -> Tuple[LayerReport, int, int, int, int]:
     """The layer entry plus (2:4 groups, fitting groups, 4x1 blocks, zero blocks).
 
     The groups and blocks are those :mod:`prunekit.kernels.patterns` prunes
@@ -260,6 +277,9 @@ def _measure(name: str, t: Tensor, masked: bool) -> Tuple[LayerReport, int, int,
     drift from what pattern pruning produces.
     """
     t = _sharded.whole(t)  # a DTensor shard: measured whole (gathered, one tensor at a time)
+    shape = tuple(int(s) for s in t.shape)
+    if transposed:  # stored (in, out): measured as (out, in)
+        t = t.transpose(0, 1)
     nz = t != 0
     numel, nonzero = count(t)
     out_ch = zero_channels = 0
@@ -280,7 +300,7 @@ def _measure(name: str, t: Tensor, masked: bool) -> Tuple[LayerReport, int, int,
         block = zero_blocks / blocks
     entry = LayerReport(
         name=name,
-        shape=tuple(int(s) for s in t.shape),
+        shape=shape,
         numel=numel,
         nonzero=nonzero,
         sparsity=fraction(numel - nonzero, numel),
@@ -317,15 +337,16 @@ def model_report(source: Union[nn.Module, Mapping[str, Tensor]]) -> ModelReport:
         (48, 108)
     """
     tensors, masked, kind = effective_tensors(source)
-    return report_layers({n: t for n, t in tensors.items() if t.dim() >= 2}, tensors, masked, kind)
+    transposed = inputs_first(source) if is_module(source) and isinstance(source, nn.Module) else set()
+    return report_layers({n: t for n, t in tensors.items() if t.dim() >= 2}, tensors, masked, kind, transposed)
 
 
 def report_layers(layers: Mapping[str, Tensor], tensors: Mapping[str, Tensor], masked: AbstractSet[str] = frozenset(),
-                  source: str = "model") -> ModelReport:
+                  source: str = "model", transposed: AbstractSet[str] = frozenset()) -> ModelReport:
     """A :class:`ModelReport` with one entry per tensor of ``layers`` (in order) and ``*_all`` totals over ``tensors``.
 
     ``masked`` names the entries that carried a pruning mask; ``source`` is the
-    report's ``source``. :func:`model_report` reports every weight this way;
+    report's ``source``; ``transposed`` names the weights stored ``(in, out)`` (:func:`inputs_first`). :func:`model_report` reports every weight this way;
     :func:`prunekit.training.sparsity_report` reports the weights of chosen modules.
 
     Examples:
@@ -339,7 +360,7 @@ def report_layers(layers: Mapping[str, Tensor], tensors: Mapping[str, Tensor], m
     rep.numel_all, rep.nonzero_all = totals(tensors)
     groups = fit = blocks = zero_blocks = 0
     for name, t in layers.items():
-        entry, g, f, b, zb = _measure(name, t, name in masked)
+        entry, g, f, b, zb = _measure(name, t, name in masked, name in transposed)
         rep.layers.append(entry)
         rep.numel_layers += entry.numel
         rep.nonzero_layers += entry.nonzero
