@@ -543,6 +543,7 @@ def quick_demo(tmp_path_factory):
     return p.returncode, p.stdout, p.stderr, out
 
 
+@pytest.mark.slow
 def test_demo_quick_json(quick_demo):
     code, stdout, err, out = quick_demo
     assert code == 0, err
@@ -596,6 +597,7 @@ def test_demo_quick_json(quick_demo):
     assert compacted["passed"] is (c["speedup"] >= 1.2)
 
 
+@pytest.mark.slow
 def test_demo_quick_plots_and_checkpoints(capsys, quick_demo):
     code, _, _, out = quick_demo
     for name in ("accuracy_vs_sparsity.png", "layer_sparsity.png"):
@@ -605,6 +607,7 @@ def test_demo_quick_plots_and_checkpoints(capsys, quick_demo):
     assert code == 0 and "prunekit-compressed" in text
 
 
+@pytest.mark.slow
 def test_demo_table_rendering(capsys, quick_demo):
     from prunekit.cli._demo import print_result
 

@@ -220,6 +220,7 @@ def _embed(model, tok, texts):
     return torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1)
 
 
+@pytest.mark.slow
 def test_minilm_quality_ordering(minilm):
     tok, base, cal, ev = minilm
     dense = _embed(base, tok, ev)

@@ -79,6 +79,7 @@ for method, device in {runs!r}:
 RUNS = [("prunekit", None), ("prunekit", "cpu"), ("sparsegpt", None), ("wanda", None)]
 
 
+@pytest.mark.slow
 def test_the_same_call_gives_the_same_masks_and_weights_in_this_process_and_in_fresh_ones():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
