@@ -223,7 +223,7 @@ print("peak", status("VmPeak") - at_limit)
 # RLIMIT_AS counts address space, not resident memory. glibc's allocator is pinned so that the count follows the
 # data: one arena (no per-thread 64 MiB reservations), every block of 64 KiB and more mapped and unmapped on
 # its own (the threshold fixed, not adaptive), freed heap given back. The settings hold from the first
-# allocation on, in the warm-up as under the limit.
+# allocation on, in the warm-up as under the limit; an allocator preloaded in the environment is left out.
 _MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(64 * 1024), "MALLOC_TRIM_THRESHOLD_": str(128 * 1024)}
 
 
@@ -238,6 +238,7 @@ def test_a_model_larger_than_the_memory_the_process_may_use_is_pruned_disk_to_di
     out = str(tmp_path / "pruned")
     code = _LIMITED.format(tests=HERE, warm=warm, headroom=headroom, model_bytes=model_bytes, src=src, out=out)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=SRC, HF_HUB_OFFLINE="1", PYTHONHASHSEED="0", **_MALLOC)
+    env.pop("LD_PRELOAD", None)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     model = transformers.LlamaForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
