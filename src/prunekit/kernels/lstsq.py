@@ -4,6 +4,9 @@ A layer ``y = A [x; 1]`` (``A = [W b]``) loses some input columns. With ``G = E[
 the second moment of its inputs, the kept columns ``K`` that best reproduce the old outputs are
 ``A' = A G[:, K] (G[K, K] + damp)^-1`` (ridge ``damp`` times the mean diagonal of ``G[K, K]``);
 the relative output error of any ``A'`` is ``sqrt(tr((A - A') G (A - A')^T) / tr(A G A^T))``.
+With another target ``t`` (the outputs another model computed on the same rows), the kept columns
+fit it with the cross moment ``C = E[t [x; 1]^T]`` instead of ``A G``: :func:`fit_columns`, whose
+error against ``t`` is :func:`target_error`.
 Which columns to lose: :func:`obs_removal_order` (greedy structured Optimal Brain Surgeon).
 """
 
@@ -15,7 +18,7 @@ from typing import List
 import torch
 from torch import Tensor
 
-__all__ = ["obs_removal_order", "output_error", "refit_columns"]
+__all__ = ["fit_columns", "obs_removal_order", "output_error", "refit_columns", "target_error"]
 
 
 def output_error(a: Tensor, new: Tensor, g: Tensor) -> float:
@@ -45,14 +48,46 @@ def refit_columns(a: Tensor, g: Tensor, kept: Tensor, damp: float = 0.01) -> Ten
         >>> [round(v, 6) for v in new[0].tolist()]
         [4.0, 5.0, 0.0]
     """
-    a64, g64 = a.to(torch.float64), g.to(torch.float64)
+    g64 = g.to(torch.float64)
+    return fit_columns(g64, a.to(torch.float64) @ g64, kept, damp)
+
+
+def fit_columns(g: Tensor, c: Tensor, kept: Tensor, damp: float = 0.01) -> Tensor:
+    """The map on the columns ``kept`` (zeros elsewhere) that best gives the targets whose cross moment with
+    the inputs is ``c`` (``E[t x^T]``, ``(out, n)``), the inputs' second moment being ``g``; float64.
+
+    Examples:
+        >>> import torch
+        >>> torch.manual_seed(0); x = torch.randn(500, 3, dtype=torch.float64)
+        <torch._C.Generator object at ...>
+        >>> t = 2 * x[:, :1] - x[:, 1:2]             # a target only columns 0 and 1 explain
+        >>> new = fit_columns(x.T @ x, t.T @ x, torch.tensor([0, 1]), damp=0.0)
+        >>> [round(v, 6) for v in new[0].tolist()]
+        [2.0, -1.0, 0.0]
+    """
+    g64, c64 = g.to(torch.float64), c.to(torch.float64)
     gk = g64.index_select(0, kept).index_select(1, kept)
     lam = damp * float(gk.diagonal().mean()) + 1e-12
-    rhs = (a64 @ g64.index_select(1, kept)).T
+    rhs = c64.index_select(1, kept).T
     sol = torch.linalg.solve(gk + lam * torch.eye(kept.numel(), dtype=torch.float64, device=gk.device), rhs).T
-    out = torch.zeros_like(a64)
+    out = torch.zeros(c64.shape, dtype=torch.float64, device=c64.device)
     out[:, kept] = sol
     return out
+
+
+def target_error(a: Tensor, g: Tensor, c: Tensor, tt: float) -> float:
+    """Relative error ``sqrt(E|t - A x|^2 / E|t|^2)`` of the map ``a`` against targets ``t``, from the moments
+    ``g = E[x x^T]``, ``c = E[t x^T]`` and ``tt = E|t|^2``.
+
+    Examples:
+        >>> import torch
+        >>> g, c = torch.eye(2, dtype=torch.float64), torch.eye(2, dtype=torch.float64)
+        >>> target_error(torch.eye(2, dtype=torch.float64), g, c, 2.0), target_error(torch.zeros(2, 2), g, c, 2.0)
+        (0.0, 1.0)
+    """
+    a64 = a.to(torch.float64)
+    err = tt - 2 * float((a64 * c.to(torch.float64)).sum()) + float(torch.einsum("ij,jk,ik->", a64, g.to(torch.float64), a64))
+    return math.sqrt(max(err, 0.0) / max(tt, 1e-30))
 
 
 def obs_removal_order(a: Tensor, h: Tensor, units: Tensor, damp: float = 0.01) -> List[int]:

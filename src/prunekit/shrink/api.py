@@ -156,6 +156,7 @@ class _Plan:
         self.block_order = torch.argsort(ranks.double(), stable=True).tolist()  # least important first
         self.expert_scores = experts.expert_importance(model, batches) if EXPERTS in self.sizes.units else {}
         self._expert_ffn: Optional[Dict[int, Tensor]] = None
+        self._active: Any = None  # [the installed emulation, its sizes] while one runs
 
     def expert_ffn_keep(self, sizes: Dict[str, int]) -> Optional[Dict[int, Tensor]]:
         """Per MoE layer, each expert's most important ``sizes["expert_ffn"]`` neurons (None: all stay).
@@ -173,8 +174,8 @@ class _Plan:
         n = self.sizes.n_blocks
         return sorted(self.block_order[: n - sizes.get(LAYERS, n)])
 
-    @contextlib.contextmanager
-    def emulated(self, sizes: Dict[str, int]):
+    def _emulate(self, sizes: Dict[str, int]) -> contextlib.ExitStack:
+        """Every emulation hook of the candidate ``sizes`` installed; closing the stack removes them."""
         ffn_keep = self.expert_ffn_keep(sizes)  # before any emulation starts
         with contextlib.ExitStack() as stack:
             if ffn_keep is not None:
@@ -185,7 +186,26 @@ class _Plan:
             removed = self.removed_blocks(sizes)
             if removed:
                 stack.enter_context(depth.skipped_layers(self.model, removed))
+            return stack.pop_all()
+
+    @contextlib.contextmanager
+    def emulated(self, sizes: Dict[str, int]):
+        """Within the block the model computes at ``sizes`` (hooks only; nothing changes)."""
+        self._active = [self._emulate(sizes), sizes]
+        try:
             yield
+        finally:
+            active, self._active = self._active, None
+            active[0].close()
+
+    @contextlib.contextmanager
+    def dense(self):
+        """Within :meth:`emulated`: the model computes as the dense model, then emulates again on exit."""
+        self._active[0].close()
+        try:
+            yield
+        finally:
+            self._active[0] = self._emulate(self._active[1])
 
     def score(self, candidate: Candidate, refit: bool) -> float:
         """The objective with the model running at the candidate's sizes (and refitted, then put back)."""
@@ -195,7 +215,7 @@ class _Plan:
             txn = Transaction()
             try:
                 refit_readers(self.width, candidate.sizes, self.batches, txn,
-                              skipped=self.removed_blocks(candidate.sizes))
+                              skipped=self.removed_blocks(candidate.sizes), dense=self.dense)
                 return self.objective(self.model)
             finally:
                 txn.rollback()
@@ -311,7 +331,7 @@ def shrink(
         fits: List[ReaderFit] = []
         with plan.emulated(best.sizes):
             if refit:
-                fits = refit_readers(plan.width, best.sizes, batches, journal, skipped=removed)
+                fits = refit_readers(plan.width, best.sizes, batches, journal, skipped=removed, dense=plan.dense)
             expected = output_vectors(forward(model, batches[0]))
         plan.apply(best.sizes, journal)
         _check(model, batches[0], expected)

@@ -7,6 +7,11 @@ order they run, each on the inputs that the model *as already shrunk* gives it, 
 also make up for what earlier ones lost. This runs under the search's emulation (the removed
 units are zeroed by hooks), before the units are removed for real, so the refitted weights carry
 over to the smaller layers unchanged.
+
+Given a ``dense`` view (a context in which the model computes as the dense model), a reader whose
+output joins the residual stream at a norm is fitted instead to what the dense model had there, less
+the stream the shrunk model brings (:mod:`prunekit.shrink.targets`): the refit then also makes up for
+the error earlier blocks left in the stream.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..kernels.lstsq import output_error, refit_columns
+from ..kernels.lstsq import fit_columns, output_error, refit_columns, target_error
 from ..transaction import Transaction
 from .calibration import input_moments
+from .targets import DenseView, find_joins, teacher_moments
 from .width import HIDDEN, Reader, Width, _block_of
 
 logger = logging.getLogger(__name__)
@@ -69,12 +75,15 @@ def _plan(width: Width, keep: Dict[str, int], skipped: List[int]) -> Dict[int, L
 
 
 def refit_readers(width: Width, keep: Dict[str, int], batches: List[Any], journal: Transaction,
-                  skipped: Optional[List[int]] = None, damp: float = 0.01) -> List[ReaderFit]:
+                  skipped: Optional[List[int]] = None, damp: float = 0.01,
+                  dense: Optional[DenseView] = None) -> List[ReaderFit]:
     """Refit every reader of removed heads/neurons, block by block; the weights change in place.
 
     Run it with the model emulating its shrunk sizes (``keep``; ``skipped`` blocks are left
     alone). Each weight (and bias) is recorded in ``journal`` before it changes. A refit that would
-    not lower the reader's output error is not applied.
+    not lower the reader's output error is not applied. With ``dense`` (a callable giving a context in
+    which the model computes as the dense model), readers that join the residual stream are fitted to
+    the dense model's stream there (:mod:`prunekit.shrink.targets`); their errors are then against it.
 
     Examples:
         >>> import torch, transformers
@@ -91,24 +100,76 @@ def refit_readers(width: Width, keep: Dict[str, int], batches: List[Any], journa
         [('model.layers.0.mlp.down_proj', 8, True), ('model.layers.1.mlp.down_proj', 8, True)]
     """
     fits: List[ReaderFit] = []
-    for block, readers in _plan(width, keep, list(skipped or [])).items():
-        stats = input_moments(width.model, batches, [r for _, r, _ in readers])
+    plan = _plan(width, keep, list(skipped or []))
+    every = [r for readers in plan.values() for _, r, _ in readers]
+    joins = find_joins(width.model, batches[0], every, dense) if dense is not None and every else {}
+    originals: Dict[int, Tuple[Reader, Tensor, Optional[Tensor]]] = {}
+    for block, readers in plan.items():
+        plain = [r for _, r, _ in readers if id(r) not in joins]
+        taught = [r for _, r, _ in readers if id(r) in joins]
+        stats = input_moments(width.model, batches, plain) if plain else {}
+        moments = teacher_moments(width.model, batches, taught, joins, originals, dense) \
+            if taught and dense is not None else {}
         for name, reader, kept in readers:
-            xtx, count = stats[id(reader)]
+            if id(reader) in moments:
+                fits.append(_fit_to_dense(name, reader, kept, moments[id(reader)], journal, damp, originals))
+                continue
+            xtx, count = stats.get(id(reader), (None, 0))
             if xtx is None or count == 0:
                 continue
             fits.append(_refit_one(name, reader, kept, xtx / count, journal, damp))
-    logger.info("shrink: refitted %d readers", len(fits))
+    logger.info("shrink: refitted %d readers (%d to the dense model's stream)", len(fits), len(joins))
     return fits
 
 
-def _refit_one(name: str, reader: Reader, kept: Tensor, g: Tensor, journal: Transaction, damp: float) -> ReaderFit:
+def _as_matrix(reader: Reader) -> Tuple[Tensor, int, Optional[Tensor]]:
+    """``([W b] as (out, in + 1) float64, in, bias)`` of a Linear or Conv1D reader (zeros for no bias)."""
     linear = isinstance(reader, nn.Linear)
     w = reader.weight.detach() if linear else reader.weight.detach().T  # as (out, in)
-    n_in = w.shape[1]
     bias = reader.bias
     b = bias.detach().double() if bias is not None else torch.zeros(w.shape[0], dtype=torch.float64, device=w.device)
-    a = torch.cat([w.double(), b[:, None]], 1)
+    return torch.cat([w.double(), b[:, None]], 1), w.shape[1], bias
+
+
+def _write(reader: Reader, kept: Tensor, new: Tensor, n_in: int) -> None:
+    with torch.no_grad():
+        target = reader.weight if isinstance(reader, nn.Linear) else reader.weight.T
+        target[:, kept] = new[:, kept].to(target.dtype)
+        if reader.bias is not None:
+            reader.bias.copy_(new[:, n_in].to(reader.bias.dtype))
+
+
+def _fit_to_dense(name: str, reader: Reader, kept: Tensor, moments: Tuple[Tensor, Tensor, float, int],
+                  journal: Transaction, damp: float,
+                  originals: Dict[int, Tuple[Reader, Tensor, Optional[Tensor]]]) -> ReaderFit:
+    g, c, tt, _ = moments
+    a, n_in, bias = _as_matrix(reader)
+    cols = torch.cat([kept, torch.tensor([n_in])]) if bias is not None else kept
+    if bias is None:
+        a, g, c = a[:, :n_in], g[:n_in, :n_in], c[:, :n_in]
+    now = torch.zeros_like(a)
+    now[:, cols] = a[:, cols]  # what the reader computes under the emulation
+    before = target_error(now, g, c, tt)
+    new = fit_columns(g, c, cols, damp)
+    after = target_error(new, g, c, tt)
+    if after < before:
+        weight = reader.weight
+        w0, b0 = weight.detach().clone(), None if bias is None else bias.detach().clone()
+        originals[id(reader)] = (reader, w0, b0)  # the dense passes of later blocks compute with these
+
+        def restore() -> None:
+            with torch.no_grad():
+                weight.copy_(w0)
+                if bias is not None and b0 is not None:
+                    bias.copy_(b0)
+
+        journal.add(restore)
+        _write(reader, kept, new, n_in)
+    return ReaderFit(name, int(kept.numel()), n_in, before, min(before, after))
+
+
+def _refit_one(name: str, reader: Reader, kept: Tensor, g: Tensor, journal: Transaction, damp: float) -> ReaderFit:
+    a, n_in, bias = _as_matrix(reader)
     cols = torch.cat([kept, torch.tensor([n_in])]) if bias is not None else kept
     if bias is None:  # no bias to absorb the constant: fit on the inputs alone
         a, g = a[:, :n_in], g[:n_in, :n_in]
@@ -118,11 +179,8 @@ def _refit_one(name: str, reader: Reader, kept: Tensor, g: Tensor, journal: Tran
     new = refit_columns(a, g, cols, damp)
     after = output_error(a, new, g)
     if after < before:
-        with torch.no_grad():
-            journal.tensor(reader.weight)
-            target = reader.weight if linear else reader.weight.T
-            target[:, kept] = new[:, kept].to(target.dtype)
-            if bias is not None:
-                journal.tensor(bias)
-                bias.copy_(new[:, n_in].to(bias.dtype))
+        journal.tensor(reader.weight)
+        if bias is not None:
+            journal.tensor(bias)
+        _write(reader, kept, new, n_in)
     return ReaderFit(name, int(kept.numel()), n_in, before, min(before, after))
