@@ -17,7 +17,7 @@ import prunekit.shrink.depth as depth
 import prunekit.shrink.experts as experts
 import prunekit.shrink.refit as refit
 from prunekit.shrink import layer_list, layer_loss_importance
-from prunekit.shrink.calibration import Objective
+from prunekit.shrink.calibration import Objective, scoring_split
 from prunekit.shrink.search import grid_candidates
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_thread")]
@@ -183,13 +183,13 @@ def linear_macs(model):
 def test_a_macs_target_is_met_in_macs():
     model = shrink_models.build("llama")
     dense_macs, dense_params = linear_macs(model), n_params(model)
-    report = prunekit.shrink(model, shrink_models.batches("llama"), 0.5, measure="macs")
+    report = prunekit.shrink(model, shrink_models.batches("llama"), 0.5, measure="macs", axes=["heads", "ffn", "layers"])
     limit = math.floor(0.5 * dense_macs)
     assert (report.target.measure, report.target.limit, report.target.dense) == ("macs", limit, dense_macs)
     assert report.dense.macs == dense_macs
     assert limit - SLACK * dense_macs <= linear_macs(model) == report.chosen.macs <= limit
     assert all(limit - SLACK * dense_macs <= c.macs <= limit for c in report.candidates)
-    # the embedding costs parameters, not MACs: the model keeps more than half of its parameters
+    # the embedding (the hidden size kept) costs parameters, not MACs: the model keeps more than half of them
     assert report.params > 0.5 * dense_params
 
 
@@ -200,7 +200,7 @@ def block_params(model):
 def test_scope_blocks_counts_only_the_blocks():
     model = shrink_models.build("llama")
     dense_blocks, dense = block_params(model), n_params(model)
-    report = prunekit.shrink(model, shrink_models.batches("llama"), 0.5, scope="blocks")
+    report = prunekit.shrink(model, shrink_models.batches("llama"), 0.5, scope="blocks", axes=["heads", "ffn", "layers"])
     limit = math.floor(0.5 * dense_blocks)
     assert report.target.dense == dense_blocks < dense
     assert limit - SLACK * dense_blocks <= block_params(model) <= limit
@@ -256,7 +256,7 @@ def test_the_report_is_consistent():
     batches = shrink_models.batches("llama")
     report = prunekit.shrink(model, batches, 0.6, axes=["heads", "ffn", "layers"])  # a choice with refitted readers
     dense = n_params(dense_model)
-    objective = Objective(dense_model, batches)
+    objective = Objective(dense_model, scoring_split(batches)[1])  # every score is on the batches not refitted on
     assert report.model_type == "llama" and report.objective == objective.kind == "loss"
     assert report.dense.sizes == {"hidden": 32, "heads": 2, "ffn": 48, "layers": 4}
     assert (report.dense.params, report.dense.macs) == (dense, linear_macs(dense_model))

@@ -34,7 +34,7 @@ from ..compact.surgery.journal import Journal
 from ..errors import first_line
 from ..transaction import Transaction, atomic
 from . import depth, experts
-from .calibration import Objective, as_batches, forward, output_vectors
+from .calibration import Objective, as_batches, forward, output_vectors, scoring_split
 from .families import family_of
 from .refit import ReaderFit, refit_readers
 from .search import Candidate, Target, grid_candidates
@@ -126,11 +126,13 @@ def _axes(width: Width, sizes: SizeModel, model_type: str, axes: Optional[Sequen
     return chosen, link
 
 
-def _dense_objective(model: nn.Module, batches: List[Any]) -> Tuple[Objective, float]:
-    """The objective and the dense model's score: the first run of every batch, so a batch the model does
-    not take is a ``ValueError`` that says so (quoting the model's own error)."""
+def _dense_objective(model: nn.Module, batches: List[Any], scored: List[Any]) -> Tuple[Objective, float]:
+    """The objective on the batches ``scored`` and the dense model's score there. Every batch runs once
+    first, so a batch the model does not take is a ``ValueError`` that says so (quoting its own error)."""
     try:
-        objective = Objective(model, batches)
+        for batch in batches:
+            forward(model, batch)
+        objective = Objective(model, scored)
         return objective, objective(model)
     except Exception as e:  # the model raises whatever its forward raises on inputs it does not take
         raise ValueError(f"prunekit.shrink: the calibration does not run on {type(model).__name__} "
@@ -141,9 +143,12 @@ def _dense_objective(model: nn.Module, batches: List[Any]) -> Tuple[Objective, f
 class _Plan:
     """Everything measured on the dense model that candidates are scored and applied with."""
 
-    def __init__(self, model: nn.Module, batches: List[Any], depth_importance: str, importance: str) -> None:
+    def __init__(self, model: nn.Module, batches: List[Any], depth_importance: str, importance: str,
+                 refit: bool) -> None:
         self.model, self.batches = model, batches
-        self.objective, self.dense_score = _dense_objective(model, batches)
+        # refitted candidates are scored on batches their refit did not see (calibration.scoring_split)
+        self.fit_batches, scored = scoring_split(batches) if refit else (batches, batches)
+        self.objective, self.dense_score = _dense_objective(model, batches, scored)
         self.width = Width(model, batches[0])
         self.width.score(batches, importance)
         self.sizes = SizeModel(model, self.width)
@@ -214,7 +219,7 @@ class _Plan:
                 return self.objective(self.model)
             txn = Transaction()
             try:
-                refit_readers(self.width, candidate.sizes, self.batches, txn,
+                refit_readers(self.width, candidate.sizes, self.fit_batches, txn,
                               skipped=self.removed_blocks(candidate.sizes), dense=self.dense)
                 return self.objective(self.model)
             finally:
@@ -283,9 +288,12 @@ def shrink(
             ``"loss"`` (the objective with that block skipped).
         max_candidates: the most candidates scored (an even spread of the grid's when it has more).
         refit: refit the layers that read removed heads and neurons by least squares
-            (:mod:`~prunekit.shrink.refit`), so they compute what they did before as far as they can;
-            candidates are scored refitted too (their weights put back after), so the search compares
-            the models it would return.
+            (:mod:`~prunekit.shrink.refit`) to the dense model's residual stream where their outputs
+            join it; candidates are scored refitted too (their weights put back after), so the search
+            compares the models it would return. The search refits on three of every four batches and
+            scores on the fourth (:func:`~prunekit.shrink.calibration.scoring_split`): the refit
+            cannot favour the candidate that merely fits the calibration best. The chosen model is
+            refitted on every batch; every score in the report is on the scoring batches.
 
     The hidden size is approximate by design: a RMSNorm/LayerNorm over fewer channels is not
     the same function. Everything else (heads, FFN neurons, whole blocks, experts) removes exactly
@@ -312,7 +320,7 @@ def shrink(
         raise ValueError(f"prunekit.shrink: max_candidates must be an int >= 1, got {max_candidates!r}")
     if round_to is not None and (isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1):
         raise ValueError(f"prunekit.shrink: round_to must be an int >= 1 (or None for the default), got {round_to!r}")
-    plan = _Plan(model, batches, depth_importance, importance)
+    plan = _Plan(model, batches, depth_importance, importance, refit)
     sm, blocks_only = plan.sizes, scope == "blocks"
     count = sm.params if measure == "params" else sm.macs
     goal = Target.parse(target, measure, count({}, blocks_only=blocks_only))

@@ -4,6 +4,7 @@
 * :func:`forward` -- one batch through the model (a dict is keyword inputs), no gradients;
 * :func:`token_mask` -- which tokens of a batch are real (its 2-D ``attention_mask``), or None;
 * :func:`input_moments` -- the second moment of layers' inputs (with a constant 1) as the model runs;
+* :func:`scoring_split` -- the batches a search refits on and the ones it scores on;
 * :class:`Objective` -- how far a model (pruned, or running with some layers skipped) is from
   what the dense model did on the calibration batches; lower is better. A language model is
   scored by its next-token cross-entropy on the batches' ``input_ids``; any other model by
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 from ..compact.trace.inputs import split_inputs
 from ..transaction import run_then_clean
 
-__all__ = ["Objective", "as_batches", "forward", "input_moments", "output_vectors", "token_mask"]
+__all__ = ["Objective", "as_batches", "forward", "input_moments", "output_vectors", "scoring_split", "token_mask"]
 
 
 def as_batches(calibration: Iterable[Any], what: str = "prunekit.shrink") -> List[Any]:
@@ -45,6 +46,27 @@ def as_batches(calibration: Iterable[Any], what: str = "prunekit.shrink") -> Lis
         raise ValueError(f"{what}: calibration is empty; give at least one batch the model accepts, e.g. "
                          "[tokenizer(texts, return_tensors='pt', padding=True)]")
     return batches
+
+
+def scoring_split(batches: List[Any]) -> Tuple[List[Any], List[Any]]:
+    """``(fit, score)``: every fourth batch scores (the last one when there are two or three), the others
+    are fitted on; a single batch does both.
+
+    A search that refits each candidate and scores it on the batches it was refitted on prefers the
+    candidate that fits them best, not the one that generalises: the refit has more freedom in some
+    candidates than in others. Scoring on batches the refit did not see compares what users get.
+
+    Examples:
+        >>> scoring_split(list(range(8)))
+        ([0, 1, 2, 4, 5, 6], [3, 7])
+        >>> scoring_split([0, 1]), scoring_split([0])
+        (([0], [1]), ([0], [0]))
+    """
+    if len(batches) < 2:
+        return list(batches), list(batches)
+    if len(batches) < 4:
+        return list(batches[:-1]), [batches[-1]]
+    return [b for i, b in enumerate(batches) if i % 4 != 3], [b for i, b in enumerate(batches) if i % 4 == 3]
 
 
 def forward(model: nn.Module, batch: Any) -> Any:
