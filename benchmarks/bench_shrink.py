@@ -111,9 +111,11 @@ def tp_heads_ffn(model: torch.nn.Module, example: Dict[str, Any]) -> torch.nn.Mo
     return model
 
 
-def latency(models: Dict[str, torch.nn.Module], batch: Dict[str, Any], reps: int) -> Dict[str, float]:
-    """Median seconds of interleaved forwards of ``batch`` (two warm-up forwards each)."""
+def latency(models: Dict[str, torch.nn.Module], batch: Dict[str, Any], reps: int, threads: int) -> Dict[str, float]:
+    """Median seconds of interleaved forwards of ``batch`` (two warm-up forwards each) on ``threads`` threads."""
     times: Dict[str, List[float]] = {k: [] for k in models}
+    work = torch.get_num_threads()
+    torch.set_num_threads(threads)
     with torch.inference_mode():
         for m in models.values():
             m(**batch)
@@ -123,6 +125,7 @@ def latency(models: Dict[str, torch.nn.Module], batch: Dict[str, Any], reps: int
                 t0 = time.perf_counter()
                 m(**batch)
                 times[k].append(time.perf_counter() - t0)
+    torch.set_num_threads(work)
     return {k: median(v) for k, v in times.items()}
 
 
@@ -220,7 +223,7 @@ def bench_minilm(args: argparse.Namespace) -> None:
     lat: Dict[str, float] = {}
     if headline_allowed(args.allow_load, "MiniLM latency"):
         lat = latency({"dense": setup.dense, **{r["method"]: r["model"] for r in rows}}, setup.latency_batch,
-                      5 if args.quick else args.reps)
+                      5 if args.quick else args.reps, args.threads)
     minilm_tables(args, setup, rows, lat, dense_blocks)
 
 
@@ -243,8 +246,8 @@ def minilm_tables(args: argparse.Namespace, setup: MiniLMSetup, rows: List[Dict[
              f"{len(setup.held_out)} held-out sentence embeddings to dense; distillation: loss={args.distill_loss} "
              f"(mean pooling) + {args.distill_intermediate:g} x MSE of the hidden states at the same depth, lr "
              f"{args.distill_lr}, {args.distill_epochs:g} epoch(s), batches of 32, student dropout "
-             f"{'on' if args.student_dropout else 'off'}, "
-             f"{torch.get_num_threads()} thread(s)")
+             f"{'on' if args.student_dropout else 'off'}, {args.work_threads} thread(s); latency on "
+             f"{args.threads} thread(s)")
     log("\n" + table(header, body, title=title))
     ours = next(r for r in rows if r["method"] == "prunekit.shrink")
     speed = lat["dense"] / lat["prunekit.shrink"] if lat else None
@@ -384,7 +387,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="minilm,decoder", help="sections: minilm, decoder")
     ap.add_argument("--quick", action="store_true", help="tiny sizes and budgets: a smoke run of every path")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="threads while latency is measured")
+    ap.add_argument("--work-threads", type=int, default=os.cpu_count() or 1,
+                    help="threads for everything else: shrinking, distilling, training (default: every core)")
     ap.add_argument("--reps", type=int, default=15, help="interleaved forwards per latency median")
     ap.add_argument("--calibration", type=int, default=512, help="MiniLM calibration sentences")
     ap.add_argument("--distill-sentences", type=int, default=20_000, help="MiniLM distillation sentences (<= 20,000)")
@@ -402,9 +407,9 @@ def main() -> None:
     ap.add_argument("--distill-lr-lm", type=float, default=1e-3, help="the decoder's distillation learning rate")
     add_load_argument(ap)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.work_threads)
     started = time.perf_counter()
-    log(f"torch {torch.__version__}, {args.threads} thread(s); {load_note()}")
+    log(f"torch {torch.__version__}, {args.work_threads} thread(s), latency on {args.threads}; {load_note()}")
     only = set(args.only.split(","))
     if "minilm" in only:
         bench_minilm(args)

@@ -459,13 +459,7 @@ def dcp_round_trip(rank: int, world: int) -> None:
         torch.manual_seed(1)
         fresh = _shard_net(_net())
         prunekit.distributed.load(path, fresh)
-    for i in (0, 2, 5, 7):
-        for key in ("weight_orig", "weight_mask", "bias"):
-            a, b = getattr(model[i], key), getattr(fresh[i], key)
-            assert isinstance(b, DTensor) and b.dtype == a.dtype, (i, key)
-            assert torch.equal(a.to_local(), b.to_local()), (i, key)
-    x = torch.randn(2, 3, 8, 8)
-    assert torch.equal(model(x), fresh(x))
+    x = _assert_same_shards(model, fresh)
     # the fresh model trains like the original (its masks are wired to FSDP2)
     for m in (model, fresh):
         m(x).sum().backward()
@@ -688,6 +682,11 @@ def dcp_verified_round_trip(rank: int, world: int) -> None:
         note = {"step": 0, "lr": torch.zeros(2)}
         prunekit.distributed.load(path, fresh, note=note)
     assert note["step"] == 7 and torch.equal(note["lr"], torch.tensor([0.5, 0.25])), note
+    _assert_same_shards(model, fresh)
+
+
+def _assert_same_shards(model, fresh):
+    """The pruned layers of ``fresh`` hold ``model``'s shards (same dtypes) and compute the same; returns the input."""
     for i in (0, 2, 5, 7):
         for key in ("weight_orig", "weight_mask", "bias"):
             a, b = getattr(model[i], key), getattr(fresh[i], key)
@@ -695,6 +694,7 @@ def dcp_verified_round_trip(rank: int, world: int) -> None:
             assert torch.equal(a.to_local(), b.to_local()), (i, key)
     x = torch.randn(2, 3, 8, 8)
     assert torch.equal(model(x), fresh(x))
+    return x
 
 
 def dcp_damaged_shard(rank: int, world: int) -> None:
