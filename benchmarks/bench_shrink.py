@@ -393,7 +393,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15, help="interleaved forwards per latency median")
     ap.add_argument("--calibration", type=int, default=512, help="MiniLM calibration sentences")
     ap.add_argument("--distill-sentences", type=int, default=20_000, help="MiniLM distillation sentences (<= 20,000)")
-    ap.add_argument("--distill-epochs", type=float, default=3.0)
+    ap.add_argument("--distill-epochs", type=float, default=6.0)
     ap.add_argument("--distill-lr", type=float, default=3e-4, help="MiniLM distillation learning rate")
     ap.add_argument("--distill-intermediate", type=float, default=1.0,
                     help="MiniLM: weight of the hidden-state MSE at the same relative depth (prunekit.distill)")
