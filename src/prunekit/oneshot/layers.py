@@ -34,15 +34,8 @@ def is_linear_like(module: nn.Module) -> bool:
     """
     if isinstance(module, nn.Linear):
         return True
-    return reparam.base_class(module).__name__ == "Conv1D" and hasattr(module, "nf") and _stored(module).dim() == 2
-
-
-def _stored(module: nn.Module, name: str = "weight") -> Tensor:
-    """The stored tensor ``name`` (``name_orig`` once masked); a ValueError when the module has none."""
-    t = reparam.stored(module, name)
-    if t is None:
-        raise ValueError(f"{reparam.describe(module)} has no tensor {name!r} to prune")
-    return t
+    return (reparam.base_class(module).__name__ == "Conv1D" and hasattr(module, "nf")
+            and reparam.stored_to_prune(module, "weight").dim() == 2)
 
 
 @dataclass
@@ -68,7 +61,7 @@ class Target:
     @property
     def param(self) -> Tensor:
         """The stored Parameter (``<tensor>_orig`` when pruned; all experts of a 3-D one)."""
-        return _stored(self.module, self.tensor)
+        return reparam.stored_to_prune(self.module, self.tensor)
 
     @property
     def key(self) -> str:

@@ -113,7 +113,8 @@ from .classes import _rebuild as _rebuild  # pickles of pruned modules name prun
 from .classes import observe_pruned
 from .hooks import find_hook, is_pruned, iter_pruned
 from .lifecycle import remove, unmask
-from .queries import base_class, describe, get_mask, is_masked, iter_masked, owner_of, pruned_names, stored
+from .queries import (base_class, describe, get_mask, is_masked, iter_masked, owner_of, pruned_names, stored,
+                      stored_to_prune)
 from .value import effective, effective_for_reading, masked, sync
 
 __all__ = [
@@ -134,6 +135,7 @@ __all__ = [
     "pruned_names",
     "remove",
     "stored",
+    "stored_to_prune",
     "sync",
     "unmask",
 ]

@@ -62,6 +62,25 @@ def stored(module: nn.Module, name: str) -> Optional[Tensor]:
     return getattr(module, name, None)
 
 
+def stored_to_prune(module: nn.Module, name: str) -> Tensor:
+    """The stored tensor of ``name`` (``name_orig`` once masked); a ValueError naming the module when it has none.
+
+    Examples:
+        >>> import torch
+        >>> m = torch.nn.Linear(2, 2)
+        >>> stored_to_prune(m, "weight") is m.weight
+        True
+        >>> stored_to_prune(m, "kernel")
+        Traceback (most recent call last):
+        ...
+        ValueError: Linear(in_features=2, out_features=2, bias=True) has no tensor 'kernel' to prune
+    """
+    t = stored(module, name)
+    if not is_tensor(t):
+        raise ValueError(f"{describe(module)} has no tensor {name!r} to prune")
+    return t
+
+
 def orig_and_mask(module: nn.Module, name: str) -> Tuple[nn.Parameter, Tensor]:
     """``(name_orig, name_mask)`` of a masked ``name``; a ValueError naming the tensor when it is not masked.
 

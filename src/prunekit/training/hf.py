@@ -60,7 +60,6 @@ from .. import pretrained, reparam
 from ..reparam._internal import Snapshot
 from ..io.reader import SAFETENSORS_TAGS, open_regular, read_safetensors_header, read_safetensors_tensor
 from .config import load_config
-from .selection import stored_weight
 from .wiring import PruningCallbacks, prepare_pruning
 
 try:
@@ -171,7 +170,7 @@ class PruningTrainerCallback(TrainerCallback, ExportableState):
                 if module is None:
                     raise ValueError(f"{path}: tensor {key!r} names layer {name!r}, which pruners[{index}] does not "
                                      f"prune (it prunes {sorted(p.modules)[:5]})")
-                w = stored_weight(module, p.weight_name)
+                w = reparam.stored_to_prune(module, p.weight_name)
                 dtype = SAFETENSORS_TAGS.get(tag)
                 if dtype != w.dtype or list(shape) != list(w.shape):
                     raise ValueError(f"{path}: tensor {key!r} is {tag} {shape}; the scores of {name!r} must be "

@@ -50,7 +50,7 @@ from .criteria import Criterion, get_criterion
 from ..kernels.patterns import Pattern, get_pattern, select_lowest
 from .registry import PRUNERS, get_pruner_class, register_pruners
 from .schedules import Scheduler, get_scheduler
-from .selection import explain_empty_selection, require_modules, select_modules, stored_weight  # noqa: F401 (importable from here too)
+from .selection import explain_empty_selection, require_modules, select_modules  # noqa: F401 (importable from here too)
 
 __all__ = [
     "Pruner",
@@ -252,7 +252,7 @@ class Pruner:
             return
         names, numel, lo, hi, un = [], [], [], [], []
         for n, m in self.modules.items():
-            shape = tuple(stored_weight(m, self.weight_name).shape)
+            shape = tuple(reparam.stored_to_prune(m, self.weight_name).shape)
             mask = reparam.get_mask(m, self.weight_name) if reparam.is_masked(m, self.weight_name) else initial.get(n)
             pruned = 0 if mask is None else self._pruned_units(n, m, mask)
             l, h = self._unit_bounds(n, shape, pruned, 1.0)
@@ -307,7 +307,7 @@ class Pruner:
             return
         with self._atomic() as undo:
             for n, m in self.modules.items():
-                release_second_moments_(self.optimizers, stored_weight(m, self.weight_name), self.masks[n], undo)
+                release_second_moments_(self.optimizers, reparam.stored_to_prune(m, self.weight_name), self.masks[n], undo)
             self._state_pending = True
             self._state_due = None
             self._state_filled = False
@@ -321,7 +321,7 @@ class Pruner:
             period: Optional[int] = None
             seen = False
             for n, m in self.modules.items():
-                orig = stored_weight(m, self.weight_name)
+                orig = reparam.stored_to_prune(m, self.weight_name)
                 seen = seen or any(opt.state.get(orig) for opt in self.optimizers)
                 p = fill_second_moments_(self.optimizers, orig, self.masks[n], undo)
                 if p is not None:
@@ -427,7 +427,7 @@ class Pruner:
         """Set ``weight_orig`` to zero wherever the mask is zero (in place, no grad; atomic)."""
         with self._atomic() as undo:
             for n, m in self.modules.items():
-                zero_where_(stored_weight(m, self.weight_name), self.masks[n], undo)
+                zero_where_(reparam.stored_to_prune(m, self.weight_name), self.masks[n], undo)
 
     def update_scores(self) -> None:
         """Feed the criterion this step's weights and gradients (gradient criteria).
@@ -440,7 +440,7 @@ class Pruner:
             return
         with self._atomic(), self._b.no_grad():
             for n, m in self.modules.items():
-                orig = stored_weight(m, self.weight_name)
+                orig = reparam.stored_to_prune(m, self.weight_name)
                 self.criterion.update(n, orig.detach(), orig.grad)
             self._scored_step = self.global_step
 
@@ -507,7 +507,7 @@ class Pruner:
     def _set_mask(self, name: str, keep: Tensor) -> None:
         module = self.modules[name]
         mask = self.masks[name]
-        orig = stored_weight(module, self.weight_name)
+        orig = reparam.stored_to_prune(module, self.weight_name)
         b = self._b
         if b.ns.equal(keep.to(b.bool), mask != 0):
             return
@@ -634,7 +634,7 @@ class PatternLockPruner(Pruner):
     adds_zeros = False
 
     def _initial_mask(self, name: str, module: nn.Module) -> Optional[Tensor]:
-        w = stored_weight(module, self.weight_name)
+        w = reparam.stored_to_prune(module, self.weight_name)
         return (w != 0).to(w.dtype)
 
 

@@ -13,29 +13,14 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Mapping, Union
 
-from torch import Tensor, nn
+from torch import nn
 
 from .. import reparam
 from .._backend import is_tensor
 from .config import PrunerConfig, _as_config
 from .registry import did_you_mean
 
-__all__ = ["select_modules", "require_modules", "explain_empty_selection", "stored_weight"]
-
-
-def stored_weight(module: nn.Module, name: str) -> Tensor:
-    """The stored tensor ``name`` of a selected layer (``name_orig`` once masked); a ValueError when it has none.
-
-    Examples:
-        >>> import torch
-        >>> m = torch.nn.Linear(2, 2)
-        >>> stored_weight(m, "weight") is m.weight
-        True
-    """
-    w = reparam.stored(module, name)
-    if not is_tensor(w):
-        raise ValueError(f"{reparam.describe(module)} has no tensor {name!r} to prune")
-    return w
+__all__ = ["select_modules", "require_modules", "explain_empty_selection"]
 
 
 def _class_names(module: nn.Module) -> List[str]:
