@@ -41,7 +41,7 @@ import errno
 import os
 import shutil
 import stat
-from typing import IO, Any, Dict, List, Optional, Tuple
+from typing import IO, Any, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 
@@ -57,6 +57,8 @@ from .reader import (
 )
 
 __all__ = ["INDEX_FILE", "SINGLE_FILE", "ShardPatcher", "ShardedWeights", "copy_model_files", "weight_map_of"]
+
+_S = TypeVar("_S", bound="_Shards")
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -93,7 +95,24 @@ def read_json_file(f: IO[bytes], where: str) -> Any:
     return loads_json_strict(text, where)
 
 
-class ShardedWeights:
+class _Shards:
+    """Open shard files by name, closed together by :meth:`close` (or at the end of a ``with``)."""
+
+    _files: Dict[str, IO[bytes]]
+
+    def close(self) -> None:
+        """Close the shards (flushing what was written)."""
+        while self._files:
+            self._files.popitem()[1].close()
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class ShardedWeights(_Shards):
     """The safetensors weights of the Hugging Face model folder ``folder``, read lazily.
 
     Opening checks every shard's header (and the index against them); :meth:`read` then reads one
@@ -175,16 +194,6 @@ class ShardedWeights:
         shard = self.where[name]
         return read_safetensors_tensor(self._files[shard], self.headers[shard], name)
 
-    def close(self) -> None:
-        """Close the shards."""
-        while self._files:
-            self._files.popitem()[1].close()
-
-    def __enter__(self) -> "ShardedWeights":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def copy_model_files(src: Any, dst: Any) -> List[str]:
@@ -211,7 +220,7 @@ def copy_model_files(src: Any, dst: Any) -> List[str]:
     return copied
 
 
-class ShardPatcher:
+class ShardPatcher(_Shards):
     """Overwrite tensors of ``folder`` -- a copy of the folder ``weights`` was read from -- in place.
 
     Each tensor written must have the dtype and shape the header gives it; its bytes replace the stored
@@ -237,13 +246,3 @@ class ShardPatcher:
         f.seek(header.data_start + header.tensors[name][2][0])
         f.write(tensor_bytes(tensor))
 
-    def close(self) -> None:
-        """Flush and close the shards written to."""
-        while self._files:
-            self._files.popitem()[1].close()
-
-    def __enter__(self) -> "ShardPatcher":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
