@@ -190,6 +190,11 @@ def test_interrupt_during_rollback_is_held_until_it_is_done():
     # raise_signal delivers to this thread: os.kill(getpid()) may land on another of the process's threads, and
     # Python then runs the handler in the main thread at some later point, after the rollback may have ended
     txn.add(lambda: (signal.raise_signal(signal.SIGINT), seen.append("newest")))
-    with pytest.raises(KeyboardInterrupt):
-        txn.rollback()
+    # Python's own handler, whatever the process inherited (a job started in the background ignores SIGINT)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            txn.rollback()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert seen == ["newest", "oldest"]
