@@ -23,7 +23,8 @@ from torch import Tensor, nn
 from ..compact.trace.inputs import split_inputs
 from ..transaction import run_then_clean
 
-__all__ = ["Objective", "as_batches", "forward", "input_moments", "output_vectors", "scoring_split", "token_mask"]
+__all__ = ["Objective", "as_batches", "forward", "input_moments", "output_vectors", "scoring_split", "token_mask",
+           "token_rows"]
 
 
 def as_batches(calibration: Iterable[Any], what: str = "prunekit.shrink") -> List[Any]:
@@ -92,6 +93,19 @@ def token_mask(batch: Any) -> Optional[Tensor]:
     """
     mask = batch.get("attention_mask") if isinstance(batch, dict) else None
     return mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
+
+
+def token_rows(t: Tensor, mask: Optional[Tensor]) -> Tensor:
+    """``t`` as float64 rows of its last dimension, the padding of ``mask`` (a batch's :func:`token_mask`) left out.
+
+    Examples:
+        >>> import torch
+        >>> token_rows(torch.ones(1, 2, 3), torch.tensor([[True, False]])).shape
+        torch.Size([1, 3])
+    """
+    if mask is not None and t.dim() == 3 and tuple(t.shape[:2]) == tuple(mask.shape):
+        t = t[mask.to(t.device)]
+    return t.reshape(-1, t.shape[-1]).double()
 
 
 def output_vectors(output: Any) -> Tensor:
@@ -192,11 +206,7 @@ def input_moments(model: nn.Module, batches: List[Any], layers: List[nn.Module])
     current: List[Optional[Tensor]] = [None]
 
     def hook(module: nn.Module, args: Tuple[Any, ...]) -> None:
-        x = args[0].detach()
-        mask = current[0]
-        if mask is not None and x.dim() == 3 and tuple(x.shape[:2]) == tuple(mask.shape):
-            x = x[mask.to(x.device)]
-        x = x.reshape(-1, x.shape[-1]).double()
+        x = token_rows(args[0].detach(), current[0])
         x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], 1)
         s = stats[id(module)]
         s[0] = x.T @ x if s[0] is None else s[0].add_(x.T @ x)

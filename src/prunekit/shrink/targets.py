@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..transaction import run_then_clean
-from .calibration import forward, token_mask
+from .calibration import forward, token_mask, token_rows
 
 __all__ = ["Moments", "find_joins", "teacher_moments"]
 
@@ -48,13 +48,6 @@ def _is_norm(module: nn.Module) -> bool:
     name = type(module).__name__
     return isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or name.endswith("Norm") or "LayerNorm" in name \
         or "RMSNorm" in name
-
-
-def _rows(t: Tensor, mask: Optional[Tensor]) -> Tensor:
-    """``t`` as rows of its last dimension, padding left out (float64)."""
-    if mask is not None and t.dim() == 3 and tuple(t.shape[:2]) == tuple(mask.shape):
-        t = t[mask.to(t.device)]
-    return t.reshape(-1, t.shape[-1]).double()
 
 
 def _run(model: nn.Module, batch: Any) -> None:
@@ -204,7 +197,7 @@ def teacher_moments(model: nn.Module, batches: List[Any], readers: List[Reader],
 
     def at_dense_join(m: nn.Module, args: Tuple[Any, ...]) -> None:
         if by_norm[id(m)] not in targets:  # a norm that runs again later in the forward counts once
-            targets[by_norm[id(m)]] = _rows(args[0].detach(), mask[0])
+            targets[by_norm[id(m)]] = token_rows(args[0].detach(), mask[0])
         if len(targets) == len(join_of):
             raise _Stop
 
@@ -213,17 +206,17 @@ def teacher_moments(model: nn.Module, batches: List[Any], readers: List[Reader],
     done: set = set()
 
     def at_input(m: nn.Module, args: Tuple[Any, ...]) -> None:
-        x = _rows(args[0].detach(), mask[0])
+        x = token_rows(args[0].detach(), mask[0])
         inputs[id(m)] = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], 1)
 
     def at_output(m: nn.Module, args: Tuple[Any, ...], out: Tensor) -> None:
-        outputs[id(m)] = _rows(out.detach(), mask[0])
+        outputs[id(m)] = token_rows(out.detach(), mask[0])
 
     def at_join(m: nn.Module, args: Tuple[Any, ...]) -> None:
         k = by_norm[id(m)]
         if k not in inputs or k not in targets:  # the norm ran before the reader, or runs again
             return
-        x, t = inputs.pop(k), targets.pop(k) - _rows(args[0].detach(), mask[0]) + outputs.pop(k)
+        x, t = inputs.pop(k), targets.pop(k) - token_rows(args[0].detach(), mask[0]) + outputs.pop(k)
         s = stats[k]
         s[0] = x.T @ x if s[0] is None else s[0].add_(x.T @ x)
         s[1] = t.T @ x if s[1] is None else s[1].add_(t.T @ x)
