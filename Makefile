@@ -34,9 +34,10 @@ $(KERNEL_STAMP): $(STAMP) $(KERNEL_SRC) src/prunekit/sparse/native.py
 
 kernels: $(KERNEL_STAMP)
 
-# Everything CI runs: lint, the docs site and its browser check, every test (markers: pyproject.toml)
-test: lint docs-check $(KERNEL_STAMP)
-	$(PY) -m pytest tests
+# Everything CI runs: lint, the docs site and its browser check, every test (markers: pyproject.toml), the
+# model-zoo matrices included (torchvision and timm from $(ZOO), below)
+test: lint docs-check $(KERNEL_STAMP) $(ZOO)/.installed
+	PYTHONPATH=$(ZOO) $(PY) -m pytest tests
 
 # The quick selection while working: no slow or multi-process tests
 test-fast: $(STAMP)
@@ -52,8 +53,9 @@ $(ZOO)/.installed: $(STAMP)
 	$(PIP) install -q --no-deps --upgrade --target $(ZOO) "torchvision==0.28.*" "timm==1.0.31"
 	touch $@
 
+# The matrices alone; their table goes to docs/data/zoo.json, which the docs' supported-models page shows
 test-zoo: $(ZOO)/.installed
-	PYTHONPATH=$(ZOO) $(PY) -m pytest tests -m zoo
+	PYTHONPATH=$(ZOO) $(PY) -m pytest tests -m zoo --zoo-table docs/data/zoo.json
 
 demo: $(STAMP)
 	$(PY) examples/quickstart.py

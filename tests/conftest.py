@@ -3,6 +3,7 @@ import os
 import pytest
 import torch
 from hypothesis import settings
+from helpers import zoo_table
 from helpers.vision_models import prepare_torchvision
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -37,6 +38,42 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.hf)
         if "sparse" in parts:
             item.add_marker(pytest.mark.kernels)
+
+
+# ------------------------------------------------------------ the zoo matrices' table (helpers/zoo_table.py)
+def pytest_addoption(parser):
+    parser.addoption("--zoo-table", metavar="PATH", default=None,
+                     help="write the zoo matrices' table (JSON) to PATH; the docs' supported-models page reads it")
+
+
+_ZOO_ROWS = {}
+
+
+def pytest_runtest_logreport(report):
+    """One row per zoo test: its call (or a failed or skipped set-up)."""
+    if "zoo" not in report.keywords or (report.when != "call" and report.passed) or report.when == "teardown":
+        return
+    module = report.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+    case = report.nodeid.partition("[")[2].rstrip("]") or report.nodeid.rsplit("::", 1)[-1]
+    failure = report.longreprtext if not report.passed else ""
+    if report.skipped and isinstance(report.longrepr, tuple):
+        failure = str(report.longrepr[2])
+    r = zoo_table.row(module, case, report.passed, report.skipped, report.user_properties, failure)
+    if r is not None:
+        _ZOO_ROWS[report.nodeid] = r
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    rows = list(_ZOO_ROWS.values())
+    if not rows:
+        return
+    path = config.getoption("--zoo-table")
+    terminalreporter.section("zoo matrices")
+    for line in zoo_table.text(rows, every_row=bool(path) or config.getoption("verbose") > 0):
+        terminalreporter.write_line(line)
+    if path:
+        zoo_table.write(rows, path, zoo_table.command_line())
+        terminalreporter.write_line(f"written: {path}")
 
 
 @pytest.fixture(autouse=True)

@@ -104,3 +104,35 @@ def test_a_claim_that_does_not_hold_fails():
         run_checking_claims("x = 3\nprint(x)  # 4\n", {}, "test")
     with pytest.raises(NameError):  # nothing is defined before a block
         run_checking_claims("model\n", {}, "test")
+
+
+def test_the_supported_models_page_is_the_zoo_table(tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import mkdocs_hooks
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    from helpers import zoo_table
+
+    rows = [zoo_table.row("test_zoo_timm", "rexnet-exact", True, False,
+                          [("outcome", "exact"), ("reason", "1 group(s): a | cut"), ("macs_ratio", 0.51234),
+                           ("params_ratio", 0.5)]),
+            zoo_table.row("test_zoo_timm", "nfnet-blocked", False, False, [], "E   AssertionError: blocked\n"),
+            zoo_table.row("test_zoo_hf", "bert-refused", True, False, [("outcome", "refused"), ("reason", "head")])]
+    assert zoo_table.row("test_other", "x", True, False, []) is None
+    path = tmp_path / "zoo.json"
+    zoo_table.write(rows, str(path), "python -m pytest tests -m zoo")
+    page = mkdocs_hooks.render_zoo(path)
+    timm, hf = zoo_table.MATRICES["test_zoo_timm"], zoo_table.MATRICES["test_zoo_hf"]
+    assert page.index(f"### {timm}") < page.index(f"### {hf}")  # the matrices in their order
+    assert "2 models: 1 exact, 1 failed." in page and "1 models: 1 refused." in page
+    assert "| rexnet | exact | 0.512 | 0.500 | 1 group(s): a \\| cut |" in page
+    assert "| nfnet | failed | - | - | E   AssertionError: blocked |" in page
+    assert "No zoo table yet" in mkdocs_hooks.render_zoo(tmp_path / "absent.json")
+    committed = ROOT / "docs" / "data" / "zoo.json"
+    if committed.is_file():  # the committed table: every zoo test module's matrix, nothing failed
+        import json
+
+        data = json.loads(committed.read_text())
+        assert {r["matrix"] for r in data["rows"]} == set(zoo_table.MATRICES.values())
+        assert not [r for r in data["rows"] if r["outcome"] in ("failed", "skipped")]

@@ -1,8 +1,11 @@
-"""MkDocs hooks: the home page is the README; the benchmarks page is generated from the results files under ``benchmarks/results/``.
+"""MkDocs hooks: the home page is the README; the benchmarks page is generated from the results files under
+``benchmarks/results/``, the supported-models page from the zoo matrices' table ``docs/data/zoo.json``.
 
 ``docs/benchmarks.md`` holds the marker ``<!-- benchmark-results -->``; at build time it is replaced by one
 section per results file (written by ``benchmarks/_harness.py``): the command, date, machine, load
 averages, versions and every table the run printed. No figure on the page comes from anywhere else.
+``docs/supported-models.md`` holds ``<!-- zoo-table -->``, replaced by the table ``make test-zoo`` wrote
+(``tests/helpers/zoo_table.py``): per matrix the count of each outcome, then one row per model.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from pathlib import Path
 
 MARKER = "<!-- benchmark-results -->"
 README_MARKER = "<!-- readme -->"
+ZOO_MARKER = "<!-- zoo-table -->"
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+ZOO = ROOT / "docs" / "data" / "zoo.json"
 
 
 def readme_for_site() -> str:
@@ -60,9 +65,38 @@ def render_all(results: Path = RESULTS) -> str:
     return "\n".join(render_result(json.loads(f.read_text())) for f in files)
 
 
+def _ratio(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def render_zoo(path: Path = ZOO) -> str:
+    """Markdown of the zoo table: where it came from, then per matrix the counts and one row per model."""
+    if not path.is_file():
+        return "No zoo table yet: `make test-zoo` writes `docs/data/zoo.json`."
+    data = json.loads(path.read_text())
+    versions = ", ".join(f"{k} {v}" for k, v in data.get("versions", {}).items())
+    lines = [f"`{data['command']}` on {data.get('date', '?')}; versions: {versions}.", ""]
+    matrices: dict = {}
+    for r in data["rows"]:
+        matrices.setdefault(r["matrix"], []).append(r)
+    for matrix, rows in matrices.items():
+        counts: dict = {}
+        for r in rows:
+            counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+        lines += [f"### {matrix}", "",
+                  f"{len(rows)} models: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + ".", "",
+                  "| model | outcome | MACs ratio | parameters ratio | reason or note |", "|---|---|---|---|---|"]
+        lines += [f"| {_cell(r['model'])} | {_cell(r['outcome'])} | {_ratio(r.get('macs_ratio'))} | "
+                  f"{_ratio(r.get('params_ratio'))} | {_cell(r.get('reason', ''))} |" for r in rows]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ARG001 - MkDocs hook signature
     if README_MARKER in markdown:
         markdown = markdown.replace(README_MARKER, readme_for_site())
+    if ZOO_MARKER in markdown:
+        markdown = markdown.replace(ZOO_MARKER, render_zoo())
     if MARKER in markdown:
         return markdown.replace(MARKER, render_all())
     return markdown

@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 from helpers import shrink_models as S  # noqa: E402
-from prunekit.compact import compact, compaction_description, prune_groups  # noqa: E402
+from prunekit.compact import compact, compaction_description, count_macs, count_params, prune_groups  # noqa: E402
 
 pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures("one_thread", "quiet_transformers")]
 
@@ -34,14 +34,19 @@ def _out(model, batch):
 
 @pytest.mark.parametrize("family", [pytest.param(f, id=f"{f}-{'refused' if f in REFUSED else 'round-trip'}")
                                     for f in S.ZOO])
-def test_family_compacts_and_round_trips_or_says_why(family, tmp_path):
+def test_family_compacts_and_round_trips_or_says_why(family, tmp_path, record_property):
     model, batch = S.build_zoo(family), S.zoo_batch(family)
     before = model.config.to_dict()
+    macs, params = count_macs(model, batch), count_params(model)
     decisions = prune_groups(model, batch, 0.5, uniform=True)
     assert any(d.removed for d in decisions)
     small = compact(model, batch)
     assert float((_out(small, batch) - _out(model, batch)).norm() / _out(model, batch).norm()) < 1e-5
     said = compaction_description(small)["hf_config"]
+    record_property("outcome", "refused" if said.startswith("not updated") else "round-trip")
+    record_property("reason", said.removeprefix("not updated: ") if said != "updated" else "")
+    record_property("macs_ratio", count_macs(small, batch) / macs)
+    record_property("params_ratio", count_params(small) / params)
     if family in REFUSED:
         assert said.startswith("not updated: ") and REFUSED[family] in said and "save_compacted" in said
         assert small.config.to_dict() == before

@@ -17,6 +17,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.zoo, pytest.mark.usefixtures("one_th
 
 
 @pytest.mark.parametrize("family, expected", V.cases(V.timm_names()))
-def test_timm_family_compacts_to_the_masked_models_output(family, expected):
+def test_timm_family_compacts_to_the_masked_models_output(family, expected, record_property):
     model, x = V.build_timm(family)
-    V.check(V.prune_and_compact(model, x), expected)
+    outcome = V.prune_and_compact(model, x)
+    V.record(family, outcome, record_property)
+    V.check(outcome, expected)

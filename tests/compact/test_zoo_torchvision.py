@@ -19,6 +19,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.zoo, pytest.mark.usefixtures("one_th
 
 
 @pytest.mark.parametrize("name, expected", V.cases(V.torchvision_names()))
-def test_torchvision_classifier_compacts_to_the_masked_models_output(name, expected):
+def test_torchvision_classifier_compacts_to_the_masked_models_output(name, expected, record_property):
     model, x = V.build_torchvision(name)
-    V.check(V.prune_and_compact(model, x), expected)
+    outcome = V.prune_and_compact(model, x)
+    V.record(name, outcome, record_property)
+    V.check(outcome, expected)

@@ -162,6 +162,41 @@ def check(outcome: "Outcome", expected: str) -> None:
         assert outcome.blocked and outcome.rel_error is None
 
 
+#: (words a blocked group's reason holds, what the zoo table calls it), the first match wins
+KINDS = [
+    ("does not come from a prunable layer", "input not from a prunable layer"),
+    ("part of the model's output", "model output"),
+    ("register a handler", "module without a handler"),
+    ("splits a channel dimension", "channel split into heads"),
+    ("normalizes over these features", "LayerNorm statistics"),
+    ("combines channels with a fixed tensor", "fixed per-channel tensor"),
+    ("reduces across channels", "reduction across channels"),
+    ("positions fixed in the model's code", "fixed channel cut"),
+    ("contracts channels with fixed values", "contraction with fixed values"),
+    ("mixes prunable and fixed channels", "prunable and fixed channels mixed"),
+]
+
+
+def kind(reason: str) -> str:
+    """The short name (:data:`KINDS`) of a blocked group's reason; the reason itself when none matches."""
+    return next((short for words, short in KINDS if words in reason), reason)
+
+
+def record(name: str, outcome: "Outcome", record_property: Any) -> None:
+    """Give the zoo table (``helpers/zoo_table.py``) the verdict, the groups kept and why, and the ratios."""
+    kinds: Dict[str, int] = {}
+    for why, n in outcome.blocked.items():
+        kinds[kind(why)] = kinds.get(kind(why), 0) + n
+    total = outcome.pruned_groups + sum(kinds.values())
+    kept = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])))
+    family = name.split("-")[0]
+    note = BLOCKED[family] + "; " if family in BLOCKED else ""
+    record_property("outcome", outcome.verdict)
+    record_property("reason", f"{note}{outcome.pruned_groups} of {total} groups pruned" + (f"; kept: {kept}" if kept else ""))
+    record_property("macs_ratio", outcome.macs_ratio)
+    record_property("params_ratio", outcome.params_ratio)
+
+
 def torchvision_names() -> List[str]:
     """Every torchvision classification builder (``torchvision.models.list_models``), or [] without it."""
     if not prepare_torchvision():

@@ -54,7 +54,7 @@ def _key(model, name):
 
 
 @pytest.mark.parametrize("family", sorted(S.ZOO))
-def test_oneshot_zoo_exact_sparsity(family):
+def test_oneshot_zoo_exact_sparsity(family, record_property):
     model = S.build_zoo(family)
     batches = [S.zoo_batch(family, seed=i) for i in range(2)]
     report = prunekit.oneshot(model, batches, method="sparsegpt", sparsity=0.5)
@@ -80,4 +80,10 @@ def test_oneshot_zoo_exact_sparsity(family):
     with torch.no_grad():
         out = S.output(model, S.zoo_batch(family, seed=5))
     assert torch.isfinite(out).all()
+    experts = sum(_expert(model, r.name) is not None for r in report.layers)
+    record_property("outcome", "exact sparsity")
+    record_property("reason", f"{len(report.layers)} weights pruned"
+                    + (f" ({experts} of them expert slices)" if experts else "")
+                    + (f"; {len(report.dense)} left dense: {'; '.join(sorted(set(report.dense.values())))}"
+                       if report.dense else ""))
 
