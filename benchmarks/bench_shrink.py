@@ -390,7 +390,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="threads while latency is measured")
     ap.add_argument("--work-threads", type=int, default=os.cpu_count() or 1,
                     help="threads for everything else: shrinking, distilling, training (default: every core)")
-    ap.add_argument("--reps", type=int, default=15, help="interleaved forwards per latency median")
+    ap.add_argument("--reps", type=int, default=31, help="interleaved forwards per latency median")
     ap.add_argument("--calibration", type=int, default=512, help="MiniLM calibration sentences")
     ap.add_argument("--distill-sentences", type=int, default=20_000, help="MiniLM distillation sentences (<= 20,000)")
     ap.add_argument("--distill-epochs", type=float, default=6.0)
