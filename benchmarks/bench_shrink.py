@@ -10,7 +10,7 @@ Sections (``--only`` picks some; all by default):
   ``compact``) + the same distillation. Metric: mean cosine between the shrunk and the dense model's
   sentence embeddings (mean pooling, normalised) on held-out sentences that neither calibration nor
   distillation sees; parameters; CPU latency (median of interleaved forwards of a batch of
-  sentences) and its ratio to dense.
+  sentences, in a fresh process that loads every model first) and its ratio to dense.
 * ``decoder`` -- a small Llama-architecture model trained here on the standard library's text
   (deterministic, cached: ``_shrink_lm.py``); held-out perplexity of the dense model, of
   ``prunekit.shrink`` to 50% of the block parameters before and after distillation with a budget
@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -129,6 +132,28 @@ def latency(models: Dict[str, torch.nn.Module], batch: Dict[str, Any], reps: int
     return {k: median(v) for k, v in times.items()}
 
 
+def latency_in_fresh_process(models: Dict[str, torch.nn.Module], batch: Dict[str, Any], reps: int,
+                             threads: int) -> Dict[str, float]:
+    """:func:`latency` in a new Python process that loads the models from a scratch folder first, as a server
+    loads a model it serves: the figures do not depend on what this process ran before (the half hour of
+    training here leaves the allocator and the CPU's caches in another state for each model)."""
+    with tempfile.TemporaryDirectory(prefix="bench-shrink-latency-") as folder:
+        torch.save({"models": models, "batch": batch}, os.path.join(folder, "models.pt"))
+        out = os.path.join(folder, "latency.json")
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--latency-child", folder, "--reps", str(reps),
+                        "--threads", str(threads)], check=True)
+        with open(out) as f:
+            return json.load(f)
+
+
+def latency_child(folder: str, reps: int, threads: int) -> None:
+    """The child of :func:`latency_in_fresh_process`: load, time, write ``latency.json``."""
+    saved = torch.load(os.path.join(folder, "models.pt"), weights_only=False)  # this benchmark's own scratch file
+    result = latency({k: m.eval() for k, m in saved["models"].items()}, saved["batch"], reps, threads)
+    with open(os.path.join(folder, "latency.json"), "w") as f:
+        json.dump(result, f)
+
+
 class MiniLMSetup:
     """The texts, the dense model and its held-out embeddings, and the distillation recipe."""
 
@@ -222,8 +247,8 @@ def bench_minilm(args: argparse.Namespace) -> None:
             f"{d['seconds'] / 60:.1f} min)")
     lat: Dict[str, float] = {}
     if headline_allowed(args.allow_load, "MiniLM latency"):
-        lat = latency({"dense": setup.dense, **{r["method"]: r["model"] for r in rows}}, setup.latency_batch,
-                      5 if args.quick else args.reps, args.threads)
+        lat = latency_in_fresh_process({"dense": setup.dense, **{r["method"]: r["model"] for r in rows}},
+                                       setup.latency_batch, 5 if args.quick else args.reps, args.threads)
     minilm_tables(args, setup, rows, lat, dense_blocks)
 
 
@@ -405,8 +430,11 @@ def main() -> None:
     ap.add_argument("--lm-tokens", type=int, default=1_000_000, help="the decoder's training budget (tokens)")
     ap.add_argument("--budget", type=int, default=100_000, help="B: tokens for distillation and for scratch training")
     ap.add_argument("--distill-lr-lm", type=float, default=1e-3, help="the decoder's distillation learning rate")
+    ap.add_argument("--latency-child", metavar="FOLDER", help=argparse.SUPPRESS)
     add_load_argument(ap)
     args = ap.parse_args()
+    if args.latency_child:
+        return latency_child(args.latency_child, args.reps, args.threads)
     torch.set_num_threads(args.work_threads)
     started = time.perf_counter()
     log(f"torch {torch.__version__}, {args.work_threads} thread(s), latency on {args.threads}; {load_note()}")
