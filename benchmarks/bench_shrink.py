@@ -138,12 +138,23 @@ def latency_in_fresh_process(models: Dict[str, torch.nn.Module], batch: Dict[str
     loads a model it serves: the figures do not depend on what this process ran before (the half hour of
     training here leaves the allocator and the CPU's caches in another state for each model)."""
     with tempfile.TemporaryDirectory(prefix="bench-shrink-latency-") as folder:
-        torch.save({"models": models, "batch": batch}, os.path.join(folder, "models.pt"))
+        torch.save({"models": {k: _picklable(m) for k, m in models.items()}, "batch": batch},
+                   os.path.join(folder, "models.pt"))
         out = os.path.join(folder, "latency.json")
         subprocess.run([sys.executable, os.path.abspath(__file__), "--latency-child", folder, "--reps", str(reps),
                         "--threads", str(threads)], check=True)
         with open(out) as f:
             return json.load(f)
+
+
+def _picklable(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` without forward hooks: transformers installs its output-capturing hooks (local
+    functions, which pickle cannot save) at a model's first forward, and installs them again in the child."""
+    model = copy.deepcopy(model)
+    for m in model.modules():
+        m._forward_hooks.clear()
+        m.__dict__.pop("_output_capturing_hooks_installed", None)
+    return model
 
 
 def latency_child(folder: str, reps: int, threads: int) -> None:
