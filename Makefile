@@ -6,6 +6,8 @@ PIP    := $(PY) -m pip
 # The CPU build of torch 2.13.0 is pinned here (not in the library's requirements, which say torch>=2.2).
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
+# torchvision and timm for the model-zoo matrices (see test-zoo below)
+ZOO    := .zoo
 # prunekit's compiled sparse kernels (optional for the library, built for this machine's CPU)
 KERNEL_SRC   := src/prunekit/sparse/csrc/linear.cpp
 KERNEL_STAMP := src/prunekit/sparse/csrc/build/.built
@@ -48,7 +50,6 @@ test-fast: $(STAMP)
 # registry's torchvision wheel is a CUDA build whose compiled ops do not load beside the CPU torch, and
 # transformers imports torchvision whenever it is installed (tests/helpers/vision_models.py defines the two op
 # schemas it needs before importing it; nothing outside the tests would). --no-deps keeps torch as it is.
-ZOO := .zoo
 $(ZOO)/.installed: $(STAMP)
 	$(PIP) install -q --no-deps --upgrade --target $(ZOO) "torchvision==0.28.*" "timm==1.0.31"
 	touch $@
