@@ -50,6 +50,7 @@ import dataclasses
 import linecache
 import os
 import sys
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
@@ -173,6 +174,13 @@ def _is_with(filename: str, lineno: int) -> bool:
     return hit
 
 
+def _run_by_finalizer(frame) -> bool:
+    """Whether ``frame`` is a ``weakref.finalize`` callback: the garbage collector runs those at any line and
+    Python ignores (prints) what they raise, so a failure injected there reaches no caller."""
+    caller = frame.f_back
+    return caller is not None and caller.f_code is weakref.finalize.__call__.__code__
+
+
 class _LineInjector:
     """``sys.settrace``: count line events in the traced sources, or raise before the ``at``-th."""
 
@@ -184,7 +192,7 @@ class _LineInjector:
         return filename.startswith(self.roots) or filename in self.roots
 
     def global_trace(self, frame, event, arg):
-        if event == "call" and self._traced(frame.f_code.co_filename):
+        if event == "call" and self._traced(frame.f_code.co_filename) and not _run_by_finalizer(frame):
             return self.local_trace
         return None
 
