@@ -62,7 +62,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 
 import prunekit  # noqa: E402
-from _harness import add_load_argument, headline_allowed, load_average, load_note, loaded_mark, run_child  # noqa: E402
+from _harness import (add_load_argument, headline_allowed, load_average, load_note, loaded_mark,  # noqa: E402
+                      record_table, run_child)
 from prunekit.sparse import (  # noqa: E402
     clear_decision_cache,
     native,
@@ -118,6 +119,7 @@ def bench_size(args: argparse.Namespace) -> None:
     print(f"{'sparsity':>8} {'dense':>11} {'gzip':>11} {'compressed':>11} {'no -0 sign':>11} "
           f"{'comp/dense':>10} {'nosign/dense':>12} {'gzip/dense':>10} {'comp/gzip':>9}")
     tmp = tempfile.mkdtemp(prefix="bench_sparse_")
+    rows = []
     for sparsity in (0.5, 0.9, 0.95):
         model = pruned_layers(sparsity)
         for layer in model:
@@ -135,6 +137,8 @@ def bench_size(args: argparse.Namespace) -> None:
         nosign = os.path.getsize(comp_path)
         print(f"{sparsity:>8.0%} {dense:>11,} {gz:>11,} {comp:>11,} {nosign:>11,} {comp / dense:>10.3f} "
               f"{nosign / dense:>12.3f} {gz / dense:>10.3f} {comp / gz:>9.3f}")
+        rows.append([f"{sparsity:.0%}", f"{dense:,}", f"{gz:,}", f"{comp:,}", f"{comp / dense:.3f}x",
+                     f"{gz / dense:.3f}x", f"{comp / gz:.3f}"])
     model = pruned_layers(0.9)
     sd = model.state_dict()
     dense_path = os.path.join(tmp, "dense.safetensors")
@@ -148,6 +152,9 @@ def bench_size(args: argparse.Namespace) -> None:
     print(f"   not removed, 90% (weight_orig + weight_mask): dense {dense:,}  compressed {keep:,} "
           f"({keep / dense:.3f}x)  drop_masked_values {drop:,} ({drop / dense:.3f}x)")
     print("   target: compressed <= 0.15x dense at 90% float32")
+    record_table(["sparsity", "dense safetensors B", "gzip B", "prunekit compressed B", "compressed / dense",
+                  "gzip / dense", "compressed / gzip"], rows,
+                 title="Checkpoint size, 4 x Linear(1024, 1024) float32, pruned weights removed")
 
 
 # --------------------------------------------------------------------------- #
@@ -200,6 +207,7 @@ def bench_linear(args: argparse.Namespace, show_all: bool) -> None:
         cases += [(0.9, "4x1"), (0.95, "4x1"), (0.9, "1x4"), (0.95, "1x4")]
     batches = (1, 8, 64)
     markdown: List[str] = []
+    rows: List[list] = []
     if not show_all:
         print("   'in model': every call right after a dense call, each kernel in its own rotation (dense, kernel, "
               "dense, kernel, ...); 'raw': the same kernel run back to back, and dense back to back")
@@ -239,8 +247,15 @@ def bench_linear(args: argparse.Namespace, show_all: bool) -> None:
             print(f"{sparsity:>8.0%} {batch:>5} {dense_s * 1e3:>9.3f} {policy:>13} {times['chosen'] * 1e3:>8.3f} "
                   f"{speedup:>8.2f}x {raw_dense / raw:>6.2f}x {mkl2:>7} {mkl1:>7} {1 / (1 - sparsity):>5.0f}x  "
                   f"{_targets(sparsity, batch, speedup)}  ({load_note()}){loaded_mark()}")
+            rows.append([f"{sparsity:.0%}", batch, f"{dense_s * 1e3:.3f}", policy, f"{speedup:.2f}x",
+                         f"{raw_dense / raw:.2f}x", mkl2, mkl1, f"{1 / (1 - sparsity):.0f}x", load_note()])
             markdown.append(f"| {sparsity:.0%} | {batch} | `{policy}` | **{speedup:.2f}x** | {raw_dense / raw:.2f}x | "
                             f"{mkl2} / {mkl1} | {1 / (1 - sparsity):.0f}x | {load_average()[0]:.2f} |")
+    if rows:
+        record_table(["sparsity", "batch", "dense ms", "policy chosen", "speedup in a model", "raw kernel",
+                      "torch CSR 2 threads", "torch CSR 1 thread", "FLOP ratio", "load"], rows,
+                     title=f"Linear(4096, 4096) float32, {torch.get_num_threads()} threads: the policy "
+                           "sparsify_for_inference chooses against dense (medians, interleaved)")
     if markdown and args.markdown:
         print("\n   README table (--markdown):\n")
         print("| sparsity | batch | policy chosen | in a model | raw kernel | torch CSR (MKL), 2 / 1 threads "
@@ -381,6 +396,7 @@ def bench_minilm(args: argparse.Namespace) -> None:
           f"per layer), {torch.get_num_threads()} threads, medians of {reps} interleaved forwards, {clock} ==")
     timing = args.cpu_time or headline_allowed(args.allow_load, "MiniLM latency")
     markdown: List[str] = []
+    rows: List[list] = []
     for sparsity in (0.9, 0.95):
         model = copy.deepcopy(base)
         linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("encoder.")]
@@ -420,8 +436,15 @@ def bench_minilm(args: argparse.Namespace) -> None:
                   f"{'' if args.cpu_time else loaded_mark()}")
             if args.verbose:
                 print("      " + report.summary().replace("\n", "\n      "))
+            rows.append([f"{sparsity:.0%}", label, f"{med['dense'] * 1e3:.2f}", f"{med['sparse'] * 1e3:.2f}",
+                         f"{med['dense'] / med['sparse']:.2f}x", mix, f"{err:.1e}", load_note()])
             markdown.append(f"| {sparsity:.0%} | {label} | {med['dense'] * 1e3:.1f} ms | {med['sparse'] * 1e3:.1f} ms "
                             f"| **{med['dense'] / med['sparse']:.2f}x** | {mix} | {err:.1e} | {load_average()[0]:.2f} |")
+    if rows:
+        record_table(["sparsity", "input", "dense ms", "sparsified ms", "speedup", "layers", "max |output diff|",
+                      "load"], rows,
+                     title=f"all-MiniLM-L6-v2 end to end, every encoder Linear pruned by magnitude, "
+                           f"{torch.get_num_threads()} threads, {clock}")
     if markdown and args.markdown:
         print("\n   README table (--markdown):\n")
         print("| sparsity | input | dense | sparsified | speedup | layers | max \\|output diff\\| | load |")
