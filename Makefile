@@ -60,6 +60,7 @@ test-zoo: $(ZOO)/.installed
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
 	$(PY) examples/tensorplay_quickstart.py
+	$(PY) examples/shrink_minilm.py demo-out/minilm-shrunk
 	$(VENV)/bin/prunekit demo --out demo-out
 
 # The documentation site, built with --strict (mkdocs.yml): build/site
