@@ -370,7 +370,8 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, title: str = 
 SAME_RUN_FLAGS = ("allow-load",)
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 _RECORDED: list[dict] = []
-_STARTED = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_average": None}
+#: when the script started (this module is imported at its start), and the load average then
+_STARTED = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_average": list(load_average())}
 
 
 def record_table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, title: str = "") -> None:
@@ -378,7 +379,6 @@ def record_table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, title:
     if not _RECORDED and _is_main_run():
         import atexit
 
-        _STARTED["load_average"] = list(load_average())
         atexit.register(write_results)
     _RECORDED.append({"title": title, "header": [fmt(c) for c in header],
                       "rows": [[fmt(c) for c in row] for row in rows]})
